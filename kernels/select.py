@@ -1,0 +1,31 @@
+"""Selection ops: top-k keep (with deterministic order) and gathering tokens with their positions."""
+
+from __future__ import annotations
+
+import torch
+
+Tensor = torch.Tensor
+
+
+def topk_indices(scores: Tensor, k: int, largest: bool = True, sort_indices: bool = True) -> Tensor:
+    """Indices of the k best scores; ascending index order when `sort_indices` (original token order),
+    else score order (as `torch.topk` returns them)."""
+    k = max(0, min(int(k), scores.numel()))
+    idx = torch.topk(scores, k, largest=largest).indices
+    return torch.sort(idx).values if sort_indices else idx
+
+
+def topk_mask(scores: Tensor, k: int, candidates: Tensor | None = None, largest: bool = True) -> Tensor:
+    """Bool mask of the k best entries of `scores`, among `candidates` (bool mask) when given."""
+    mask = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
+    if candidates is None:
+        mask[topk_indices(scores, k, largest)] = True
+        return mask
+    pool = torch.nonzero(candidates).flatten()
+    mask[pool[topk_indices(scores[pool], k, largest)]] = True
+    return mask
+
+
+def gather_tokens(keep: Tensor, embeds: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+    """Keep tokens `keep` of embeds [n, D] together with positions [..., n] (1-D or 3-D M-RoPE)."""
+    return embeds[keep], positions[..., keep]

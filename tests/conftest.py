@@ -1,0 +1,58 @@
+"""Shared fixtures: tiny random-weight models of every family (built once per session, offline), generated
+videos with moving shapes / scene cuts / static stretches, and processor inputs for them."""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("VTC_DISABLE_PLUGIN_AUTOLOAD", "1")
+warnings.filterwarnings("ignore", message=".*cap_pixels_per_frame.*")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+import vtc  # noqa: E402
+from vtc import tiny  # noqa: E402
+from vtc.video import synthetic_video  # noqa: E402
+
+FAMILIES = tiny.FAMILIES
+QUESTIONS = ("What happens in this video?", "How many objects are visible in the whole clip, and which one moves?")
+NUM_FRAMES = 8
+
+
+@functools.lru_cache(maxsize=None)
+def model_and_processor(family: str, dtype: torch.dtype = torch.float32):
+    return tiny.build(family, dtype=dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def videos():
+    """Two clips of different sizes (so a batch needs padding)."""
+    return synthetic_video(32, 224, 224, seed=0), synthetic_video(24, 160, 200, seed=1)
+
+
+@functools.lru_cache(maxsize=None)
+def single_inputs(family: str, which: int = 0):
+    _, processor = model_and_processor(family)
+    return vtc.prepare_inputs(processor, videos()[which], QUESTIONS[which], num_frames=NUM_FRAMES, fps=8)
+
+
+@functools.lru_cache(maxsize=None)
+def batch_inputs(family: str):
+    _, processor = model_and_processor(family)
+    return vtc.prepare_inputs(processor, list(videos()), list(QUESTIONS), num_frames=NUM_FRAMES, fps=8)
+
+
+@pytest.fixture(params=FAMILIES)
+def family(request):
+    return request.param
+
+
+def reducing_methods() -> list[str]:
+    """Every installed method that changes visual tokens (the invariant matrix runs on all of them)."""
+    return [info.name for info in vtc.methods() if info.reduces_tokens]

@@ -1,0 +1,35 @@
+"""Model-family adapters. `resolve_adapter(model)` picks the one matching the model's class."""
+
+from __future__ import annotations
+
+import torch
+
+from vtc.adapters.base import Adapter, CapturedInputs, VideoSpan
+from vtc.adapters.llava_next_video import LlavaNextVideoAdapter
+from vtc.adapters.llava_onevision import LlavaOnevisionAdapter
+from vtc.adapters.qwen2_5_vl import Qwen2_5_VLAdapter
+from vtc.adapters.qwen2_vl import Qwen2VLAdapter
+from vtc.adapters.qwen3_vl import Qwen3VLAdapter
+
+ADAPTERS: tuple[type[Adapter], ...] = (
+    Qwen2VLAdapter,
+    Qwen2_5_VLAdapter,
+    Qwen3VLAdapter,
+    LlavaOnevisionAdapter,
+    LlavaNextVideoAdapter,
+)
+SUPPORTED_FAMILIES = tuple(a.family for a in ADAPTERS)
+
+
+def resolve_adapter(model: torch.nn.Module) -> Adapter:
+    for adapter in ADAPTERS:
+        if adapter.matches(model):
+            return adapter(model)
+    supported = ", ".join(f"{a.family} ({'/'.join(a.class_names)})" for a in ADAPTERS)
+    raise TypeError(
+        f"vtc does not support {type(model).__name__}; supported model families: {supported}. "
+        "Load the model with its ...ForConditionalGeneration class."
+    )
+
+
+__all__ = ["ADAPTERS", "Adapter", "CapturedInputs", "SUPPORTED_FAMILIES", "VideoSpan", "resolve_adapter"]

@@ -1,0 +1,169 @@
+"""What every model-family adapter provides, and the helpers they share.
+
+An adapter is small and declarative: where the modules are (`outer`, `text_model`, `decoder_layers`,
+`vision_tower`), which token id marks video features and how the video tokens of a prompt are laid out
+(`video_spans`). The generic
+machinery that rewrites the sequence lives in `vtc.patching`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+Tensor = torch.Tensor
+
+
+@dataclasses.dataclass
+class CapturedInputs:
+    """The keyword arguments of the outer multimodal model's forward that describe the media."""
+
+    input_ids: Tensor | None
+    attention_mask: Tensor | None
+    kwargs: dict[str, Any]
+
+
+@dataclasses.dataclass
+class VideoSpan:
+    """Where one video's compressible tokens sit in one batch row.
+
+    seq_index:  [N] sequence indices of the tokens, in grid order (frame-major, then row, then column)
+    grid:       (T, H, W) token grid
+    frame_slot: [T] sequence index of the first token of each frame's segment; kept tokens are written
+                back into their frame's segment (matters when text separates frames, as in Qwen3-VL)
+    timestamps: [T] seconds, when the inputs carry them
+    """
+
+    batch: int
+    video: int
+    seq_index: Tensor
+    grid: tuple[int, int, int]
+    frame_slot: Tensor
+    timestamps: Tensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.seq_index.numel())
+
+    def frame_row_col(self) -> tuple[Tensor, Tensor, Tensor]:
+        t, h, w = self.grid
+        flat = torch.arange(t * h * w, device=self.seq_index.device)
+        return flat // (h * w), (flat // w) % h, flat % w
+
+
+def runs(mask: Tensor) -> list[tuple[int, int]]:
+    """(start, end) of the maximal runs of True in a 1-D bool tensor."""
+    if mask.numel() == 0 or not bool(mask.any()):
+        return []
+    m = mask.to(torch.int8)
+    diff = torch.diff(m, prepend=m.new_zeros(1), append=m.new_zeros(1))
+    starts = torch.nonzero(diff == 1).flatten().tolist()
+    ends = torch.nonzero(diff == -1).flatten().tolist()
+    return list(zip(starts, ends))
+
+
+def frames_per_video(captured: CapturedInputs, tokens_per_frame: int, trailing_specials: int = 0) -> list[int]:
+    """Frames of each video of a LLaVA-style model: from `pixel_values_videos` [videos, frames, C, H, W], or,
+    when generate pre-encoded the media, from the length of each video's features in `mm_encoder_outputs`."""
+    pixels = captured.kwargs.get("pixel_values_videos")
+    if pixels is not None:
+        return [int(pixels.shape[1])] * int(pixels.shape[0])
+    encoded = (captured.kwargs.get("mm_encoder_outputs") or {}).get("video")
+    if encoded is None:
+        raise ValueError("the prompt has video tokens but the model got no pixel_values_videos or mm_encoder_outputs")
+    return [(int(x.shape[0]) - trailing_specials) // tokens_per_frame for x in encoded.pooler_output]
+
+
+def contiguous_spans(
+    input_ids: Tensor,
+    video_token_id: int,
+    tokens_per_video: list[int],
+    grids: list[tuple[int, int, int]],
+    family: str,
+    trailing_specials: int = 0,
+) -> list[VideoSpan]:
+    """Spans for families whose video is one contiguous run of placeholder tokens.
+
+    `trailing_specials` placeholder tokens at the end of each run are not compressible (LLaVA-OneVision's
+    newline token) and stay in place as if they were text.
+    """
+    spans: list[VideoSpan] = []
+    video = 0
+    for b in range(input_ids.shape[0]):
+        for start, end in runs(input_ids[b] == video_token_id):
+            pos = start
+            while pos < end:
+                if video >= len(tokens_per_video):
+                    raise ValueError(
+                        f"{family}: the prompt has more video placeholder tokens than the videos passed produce"
+                    )
+                length = tokens_per_video[video]
+                if pos + length > end:
+                    raise ValueError(
+                        f"{family}: video {video} needs {length} placeholder tokens but its run has {end - pos}"
+                    )
+                t, h, w = grids[video]
+                n = t * h * w
+                if n + trailing_specials != length:
+                    raise ValueError(f"{family}: video {video} grid {grids[video]} does not match {length} tokens")
+                seq_index = torch.arange(pos, pos + n, device=input_ids.device)
+                frame_slot = torch.full((t,), pos, device=input_ids.device, dtype=torch.long)
+                spans.append(VideoSpan(b, video, seq_index, (t, h, w), frame_slot))
+                pos += length
+                video += 1
+    if video != len(tokens_per_video):
+        raise ValueError(f"{family}: {len(tokens_per_video)} videos were passed but {video} were found in the prompt")
+    return spans
+
+
+class Adapter:
+    """Base class; one subclass per model family (see `vtc/adapters/<family>.py`)."""
+
+    family: str = ""
+    class_names: tuple[str, ...] = ()
+    mrope: bool = False  # 3-D M-RoPE positions (Qwen) vs 1-D RoPE (LLaVA)
+    deepstack: bool = False  # Qwen3-VL feeds extra visual features into the first LLM layers
+    attention_rows: int = 1  # prompt rows FrameFusion's official code reads for importance on this family
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    @classmethod
+    def matches(cls, model: torch.nn.Module) -> bool:
+        return type(model).__name__ in cls.class_names
+
+    # --- where things are ------------------------------------------------------------------------------------
+    @property
+    def outer(self) -> torch.nn.Module:
+        """The multimodal base model whose forward receives input_ids and the media tensors."""
+        return self.model.model
+
+    @property
+    def text_model(self) -> torch.nn.Module:
+        return self.outer.language_model
+
+    @property
+    def decoder_layers(self) -> list[torch.nn.Module]:
+        return list(self.text_model.layers)
+
+    @property
+    def vision_tower(self) -> torch.nn.Module:
+        raise NotImplementedError
+
+    @property
+    def video_token_id(self) -> int:
+        config = self.model.config
+        return int(getattr(config, "video_token_id", None) or config.video_token_index)
+
+    def embed(self, ids: Tensor) -> Tensor:
+        return self.text_model.get_input_embeddings()(ids)
+
+    # --- layout ------------------------------------------------------------------------------------------------
+    def video_spans(self, captured: CapturedInputs) -> list[VideoSpan]:
+        """Every video's compressible tokens in the prompt, in order of appearance."""
+        raise NotImplementedError
+
+    def has_video(self, captured: CapturedInputs) -> bool:
+        return captured.input_ids is not None and bool((captured.input_ids == self.video_token_id).any())

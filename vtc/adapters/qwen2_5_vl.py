@@ -1,0 +1,29 @@
+"""Qwen2.5-VL: as Qwen2-VL, plus `second_per_grid_ts` (seconds per temporal patch) scaling M-RoPE time.
+
+The vision merger's output is window-permuted inside `visual`; vtc reads features after the model has
+scattered them into the prompt, i.e. after the reorder, so nothing here depends on the permutation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vtc.adapters.base import CapturedInputs, VideoSpan
+from vtc.adapters.qwen2_vl import Qwen2VLAdapter
+
+
+class Qwen2_5_VLAdapter(Qwen2VLAdapter):
+    family = "qwen2_5_vl"
+    class_names = ("Qwen2_5_VLForConditionalGeneration",)
+
+    def _add_timestamps(self, spans: list[VideoSpan], captured: CapturedInputs) -> None:
+        """Seconds of each temporal patch, from M-RoPE time positions (t = tokens_per_second * seconds)."""
+        positions = captured.kwargs.get("llm_position_ids")
+        rate = float(self.model.config.vision_config.tokens_per_second)
+        if positions is None or not rate:
+            return
+        for span in spans:
+            t, h, w = span.grid
+            first_of_frame = span.seq_index[:: h * w].to(positions.device)
+            times = positions[0, span.batch, first_of_frame].float()
+            span.timestamps = (times - times[0]) / rate

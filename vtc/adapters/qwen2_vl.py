@@ -1,0 +1,78 @@
+"""Qwen2-VL: one contiguous run of `<|video_pad|>` per video, 3-D M-RoPE, 2x2 spatial merge."""
+
+from __future__ import annotations
+
+
+import torch
+
+from vtc.adapters.base import Adapter, CapturedInputs, VideoSpan, contiguous_spans, runs
+
+
+def qwen_grids(captured: CapturedInputs, merge: int, segments: list[list[tuple[int, int, int]]] | None = None
+               ) -> list[tuple[int, int, int]]:
+    """Token grid (T, H, W) of every video.
+
+    From `video_grid_thw` when the forward got it; `generate` (transformers >= 5.18) encodes the media
+    before the prefill and passes only `mm_encoder_outputs`, so the grid is then read back from the M-RoPE
+    (h, w) positions of each video's first token segment and the video's token count.
+    `segments[k]` = (batch row, start, end) runs of video k's tokens, in order."""
+    grid_thw = captured.kwargs.get("video_grid_thw")
+    if grid_thw is not None:
+        return [(int(t), int(h) // merge, int(w) // merge) for t, h, w in grid_thw.tolist()]
+    positions = captured.kwargs.get("llm_position_ids")
+    counts = video_token_counts(captured)
+    if positions is None or counts is None or segments is None:
+        raise ValueError(
+            "the prompt has video tokens but the model got neither video_grid_thw nor (mm_encoder_outputs and "
+            "M-RoPE position_ids); pass the processor's outputs unchanged"
+        )
+    grids = []
+    for k, count in enumerate(counts):
+        b, start, end = segments[k][0]
+        h = positions[1, b, start:end]
+        w = positions[2, b, start:end]
+        height = int(h.max() - h.min()) + 1
+        width = int(w.max() - w.min()) + 1
+        grids.append((count // (height * width), height, width))
+    return grids
+
+
+def video_token_counts(captured: CapturedInputs) -> list[int] | None:
+    """Tokens per video from pre-encoded `mm_encoder_outputs` (what generate passes), if present."""
+    encoded = (captured.kwargs.get("mm_encoder_outputs") or {}).get("video")
+    if encoded is None:
+        return None
+    return [int(x.shape[0]) for x in encoded.pooler_output]
+
+
+def video_runs(input_ids: torch.Tensor, video_token_id: int) -> list[tuple[int, int, int]]:
+    """(batch row, start, end) of every run of video tokens, in order of appearance."""
+    return [(b, s, e) for b in range(input_ids.shape[0]) for s, e in runs(input_ids[b] == video_token_id)]
+
+
+class Qwen2VLAdapter(Adapter):
+    family = "qwen2_vl"
+    class_names = ("Qwen2VLForConditionalGeneration",)
+    mrope = True
+    attention_rows = 4
+
+    @property
+    def vision_tower(self) -> torch.nn.Module:
+        return self.outer.visual
+
+    @property
+    def spatial_merge(self) -> int:
+        return int(self.model.config.vision_config.spatial_merge_size)
+
+    def video_spans(self, captured: CapturedInputs) -> list[VideoSpan]:
+        # each contiguous run is one video (contiguous_spans checks the counts against the grids)
+        segments = [[r] for r in video_runs(captured.input_ids, self.video_token_id)]
+        grids = qwen_grids(captured, self.spatial_merge, segments)
+        counts = [t * h * w for t, h, w in grids]
+        spans = contiguous_spans(captured.input_ids, self.video_token_id, counts, grids, self.family)
+        self._add_timestamps(spans, captured)
+        return spans
+
+    def _add_timestamps(self, spans: list[VideoSpan], captured: CapturedInputs) -> None:
+        """Qwen2-VL inputs carry no timing; Qwen2.5-VL overrides this."""
+

@@ -1,0 +1,67 @@
+"""Qwen3-VL: each temporal patch of a video is its own `<t seconds><|vision_start|>...<|vision_end|>`
+segment, so a video's tokens are not contiguous; DeepStack features for the visual positions are fed into
+the first LLM layers and must follow the tokens (`visual_pos_masks`, `deepstack_visual_embeds`)."""
+
+from __future__ import annotations
+
+
+import torch
+
+from vtc.adapters.base import Adapter, CapturedInputs, VideoSpan, runs
+from vtc.adapters.qwen2_vl import qwen_grids, video_runs, video_token_counts
+
+
+class Qwen3VLAdapter(Adapter):
+    family = "qwen3_vl"
+    class_names = ("Qwen3VLForConditionalGeneration",)
+    mrope = True
+    deepstack = True
+    attention_rows = 4
+
+    @property
+    def vision_tower(self) -> torch.nn.Module:
+        return self.outer.visual
+
+    def _segments_per_video(self, captured: CapturedInputs) -> list[list[tuple[int, int, int]]] | None:
+        """Group the per-frame segments into videos using each video's token count (generate path)."""
+        counts = video_token_counts(captured)
+        if counts is None:
+            return None
+        segments = video_runs(captured.input_ids, self.video_token_id)
+        grouped, i = [], 0
+        for count in counts:
+            group, total = [], 0
+            while total < count and i < len(segments):
+                b, s, e = segments[i]
+                group.append((b, s, e))
+                total += e - s
+                i += 1
+            grouped.append(group)
+        return grouped
+
+    def video_spans(self, captured: CapturedInputs) -> list[VideoSpan]:
+        merge = int(self.model.config.vision_config.spatial_merge_size)
+        grids = qwen_grids(captured, merge, self._segments_per_video(captured))
+        spans: list[VideoSpan] = []
+        video = 0
+        for b in range(captured.input_ids.shape[0]):
+            segments = runs(captured.input_ids[b] == self.video_token_id)
+            while segments:
+                if video >= len(grids):
+                    raise ValueError("qwen3_vl: the prompt has more video segments than the videos passed produce")
+                t, h, w = grids[video]
+                frames, segments = segments[:t], segments[t:]
+                if len(frames) != t or any(end - start != h * w for start, end in frames):
+                    raise ValueError(
+                        f"qwen3_vl: video {video} should be {t} segments of {h * w} tokens, "
+                        f"found {[end - start for start, end in frames]}"
+                    )
+                device = captured.input_ids.device
+                seq_index = torch.cat([torch.arange(s, e, device=device) for s, e in frames])
+                frame_slot = torch.tensor([s for s, _ in frames], device=device)
+                spans.append(VideoSpan(b, video, seq_index, (t, h, w), frame_slot))
+                video += 1
+        if video != len(grids):
+            raise ValueError(f"qwen3_vl: {len(grids)} videos were passed but {video} were found in the prompt")
+        return spans
+

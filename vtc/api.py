@@ -1,0 +1,159 @@
+"""The public entry points: `vtc.patch(model, "a+b", retention=...)`, the `PatchHandle` it returns, and
+`vtc.prepare_inputs(...)` for the frame-sampling stage in user code."""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from typing import Any, Sequence
+
+import torch
+
+from vtc.adapters import resolve_adapter
+from vtc.inputs import prepare_batch
+from vtc.patching import ModelPatch
+from vtc.pipeline import Pipeline
+from vtc.stats import ForwardStats, StatsRecorder
+
+# model -> its live handle; weak so a patched model can be garbage-collected
+_HANDLES: "weakref.WeakKeyDictionary[torch.nn.Module, PatchHandle]" = weakref.WeakKeyDictionary()
+
+
+class PatchHandle:
+    """What `vtc.patch` returns. Unpatch it (or use it as a context manager) to restore the model."""
+
+    def __init__(self, model: torch.nn.Module, pipeline: Pipeline, patch: ModelPatch, recorder: StatsRecorder):
+        self.model = model
+        self.pipeline = pipeline
+        self.recorder = recorder
+        self._patch: ModelPatch | None = patch
+
+    # --- lifecycle -----------------------------------------------------------------------------------------------
+    @property
+    def active(self) -> bool:
+        return self._patch is not None
+
+    @property
+    def family(self) -> str:
+        return (self._patch.adapter if self._patch else resolve_adapter(self.model)).family
+
+    def unpatch(self) -> None:
+        """Remove every hook vtc installed; the model is bit-for-bit what it was. Safe to call twice."""
+        if self._patch is None:
+            return
+        self._patch.remove()
+        self._patch = None
+        if _HANDLES.get(self.model) is self:
+            del _HANDLES[self.model]
+
+    def __enter__(self) -> "PatchHandle":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.unpatch()
+
+    def __repr__(self) -> str:
+        state = "active" if self.active else "unpatched"
+        return f"PatchHandle({self.pipeline.spec!r}, retention={self.pipeline.retention}, {state})"
+
+    # --- results -------------------------------------------------------------------------------------------------
+    def stats(self) -> ForwardStats | None:
+        """Visual tokens in/out per stage and per LLM layer, and stage timings, of the last prefill
+        (None before the first forward)."""
+        return self.recorder.last
+
+    def retained_count(self, grid: tuple[int, int, int]) -> int | None:
+        """Visual tokens the LLM keeps for a video whose token grid is `grid` = (T, H, W); None when the
+        methods decide adaptively from the content."""
+        return self.pipeline.retained_count(tuple(int(x) for x in grid))
+
+    # --- inputs ---------------------------------------------------------------------------------------------------
+    def prepare(
+        self,
+        processor,
+        video: Any,
+        question: str | Sequence[str],
+        num_frames: int | None = None,
+        fps: float | None = None,
+        system: str | None = None,
+    ):
+        """Processor inputs for `video` (path, [T, H, W, 3] array, or a list of them) and `question`, with
+        frames chosen by this pipeline's `sample` stage (uniform when it has none). Feed the result to
+        `model.generate(**inputs)`."""
+        videos, questions = _as_batch(video, question)
+        inputs = prepare_batch(processor, videos, questions, self.pipeline, num_frames, fps, system)
+        if self._patch is not None:
+            if self._patch.tokenizer is None:
+                self._patch.tokenizer = getattr(processor, "tokenizer", None)
+            mask = inputs["attention_mask"].bool()
+            for b, q in enumerate(questions):
+                ids = tuple(inputs["input_ids"][b][mask[b]].tolist())
+                self._patch.prepared_questions[ids] = q
+        return inputs
+
+
+def _as_batch(video, question) -> tuple[list[Any], list[str]]:
+    if isinstance(question, str):
+        return [video], [question]
+    questions = list(question)
+    videos = list(video) if isinstance(video, (list, tuple)) else [video] * len(questions)
+    return videos, questions
+
+
+def patch(
+    model: torch.nn.Module,
+    methods: str | Sequence[str],
+    retention: float | None = None,
+    *,
+    positions: str | None = None,
+    processor: Any = None,
+    seed: int = 0,
+    **params: Any,
+) -> PatchHandle:
+    """Apply token-compression methods to a HuggingFace video-LLM instance.
+
+    methods:   a spec such as "framefusion" or "uniform+fastv" (see `vtc methods`).
+    retention: fraction of visual tokens the LLM sees, in (0, 1]; each method maps it onto its own
+               parameters (split evenly over several token-reducing methods). None = official defaults.
+    positions: "keep" (survivors keep their original positions) or "compact" (renumbered; 1-D RoPE
+               families only). Default: what each method's official code does.
+    processor: optional; lets query-aware methods read the question as text.
+    params:    method parameters by name (`k=3`) or qualified (`**{"fastv.k": 3}`).
+
+    Only this instance is changed; `handle.unpatch()` restores it exactly. Patching an already patched
+    model replaces the previous patch (with a warning).
+    """
+    adapter = resolve_adapter(model)
+    pipeline = Pipeline(methods, retention=retention, params=params)
+    pipeline.check_family(adapter.family)
+    previous = _HANDLES.get(model)
+    if previous is not None and previous.active:
+        warnings.warn(
+            f"model was already patched with {previous.pipeline.spec!r}; replacing it with {pipeline.spec!r}",
+            stacklevel=2,
+        )
+        previous.unpatch()
+    recorder = StatsRecorder()
+    tokenizer = getattr(processor, "tokenizer", processor) if processor is not None else None
+    model_patch = ModelPatch(adapter, pipeline, recorder, positions=positions, seed=seed, tokenizer=tokenizer)
+    model_patch.install()
+    handle = PatchHandle(model, pipeline, model_patch, recorder)
+    _HANDLES[model] = handle
+    return handle
+
+
+def prepare_inputs(
+    processor,
+    video: Any,
+    question: str | Sequence[str],
+    methods: str | Sequence[str] = "uniform",
+    num_frames: int | None = None,
+    fps: float | None = None,
+    system: str | None = None,
+    **params: Any,
+):
+    """Processor inputs for a video and question with frames chosen by `methods`' sample stage, without
+    patching a model. `vtc.prepare_inputs(processor, "clip.mp4", "What happens?", "uniform", num_frames=16)`."""
+    pipeline = Pipeline(methods, params=params)
+    videos, questions = _as_batch(video, question)
+    return prepare_batch(processor, videos, questions, pipeline, num_frames, fps, system)

@@ -1,0 +1,96 @@
+"""Turning a video and a question into processor inputs, with the `sample` stage choosing the frames.
+
+This is the one place frames are picked, so `uniform+...` means the same in `vtc run`, in the benchmark
+and in user code (`handle.prepare(...)` / `vtc.prepare_inputs(...)`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+from vtc.tokens import Context
+from vtc.video import VideoSource, uniform_indices
+
+DEFAULT_NUM_FRAMES = 16
+
+
+@dataclasses.dataclass
+class SampledVideo:
+    frames: Any  # [n, H, W, 3] uint8
+    indices: list[int]
+    source: VideoSource
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        """Video metadata in the form transformers' video processors take (`video_metadata=`)."""
+        return {
+            "fps": self.source.fps,
+            "total_num_frames": self.source.num_frames,
+            "frames_indices": list(self.indices),
+            "duration": self.source.duration,
+            "width": self.source.width,
+            "height": self.source.height,
+        }
+
+
+def sample_frames(video, question: str | None, pipeline=None, num_frames: int | None = None,
+                  fps: float | None = None) -> SampledVideo:
+    """Run the pipeline's `sample` stage (uniform over the whole video when it has none)."""
+    source = VideoSource.open(video, fps=fps)
+    ctx = Context(question=question, extra={"num_frames": num_frames})
+    indices = pipeline.run_sample(source, ctx) if pipeline is not None else None
+    if indices is None:
+        indices = uniform_indices(source.num_frames, num_frames or DEFAULT_NUM_FRAMES)
+    indices = [int(i) for i in indices]
+    if indices != sorted(indices) or not indices:
+        raise ValueError(f"a sampler must return a non-empty sorted list of frame indices, got {indices[:8]}...")
+    return SampledVideo(source.read(indices), indices, source)
+
+
+def processor_video_kwargs(processor, sampled: list[SampledVideo]) -> dict[str, Any]:
+    """Family-specific arguments for passing already-sampled frames to a processor."""
+    video_processor = getattr(processor, "video_processor", None)
+    name = type(video_processor).__name__
+    if name.startswith("Qwen"):
+        kwargs: dict[str, Any] = {"video_metadata": [s.metadata for s in sampled], "do_sample_frames": False}
+        # transformers >= 5.2x warns unless the per-frame pixel cap (qwen-vl-utils' behaviour) is chosen
+        if hasattr(type(video_processor), "cap_pixels_per_frame"):
+            kwargs["cap_pixels_per_frame"] = True
+        return kwargs
+    return {}
+
+
+def build_messages(question: str, system: str | None = None) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = []
+    if system:
+        messages.append({"role": "system", "content": [{"type": "text", "text": system}]})
+    messages.append({"role": "user", "content": [{"type": "video"}, {"type": "text", "text": question}]})
+    return messages
+
+
+def prepare_batch(
+    processor,
+    videos: Sequence[Any],
+    questions: Sequence[str],
+    pipeline=None,
+    num_frames: int | None = None,
+    fps: float | None = None,
+    system: str | None = None,
+):
+    """Processor inputs (a `BatchFeature`) for one question per video, left-padded for generation."""
+    if len(videos) != len(questions):
+        raise ValueError(f"got {len(videos)} videos but {len(questions)} questions; pass one question per video")
+    sampled = [sample_frames(v, q, pipeline, num_frames, fps) for v, q in zip(videos, questions)]
+    texts = [
+        processor.apply_chat_template(build_messages(q, system), add_generation_prompt=True, tokenize=False)
+        for q in questions
+    ]
+    padding = {"padding": True, "padding_side": "left"} if len(texts) > 1 else {}
+    return processor(
+        text=texts,
+        videos=[s.frames for s in sampled],
+        return_tensors="pt",
+        **padding,
+        **processor_video_kwargs(processor, sampled),
+    )

@@ -1,0 +1,114 @@
+"""What a patched model did on its last prefill: visual tokens in/out per stage, per LLM layer, time per stage."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass
+class StageRecord:
+    stage: str
+    plugin: str
+    tokens_in: int
+    tokens_out: int
+    seconds: float
+
+
+@dataclasses.dataclass
+class ForwardStats:
+    """One prefill (a forward call whose prompt contained the video tokens)."""
+
+    has_video: bool
+    batch_size: int = 0
+    videos: int = 0
+    visual_tokens_in: int = 0  # compressible visual tokens the model produced
+    llm_tokens_in: int = 0  # visual tokens entering the LLM (after connect)
+    visual_tokens_out: int = 0  # visual tokens alive at the last LLM layer
+    sequence_in: int = 0  # padded prompt length before / after the connect stage
+    sequence_out: int = 0
+    grids: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)  # token grid (T, H, W) per video
+    layer_visual_tokens: list[int] = dataclasses.field(default_factory=list)
+    stages: list[StageRecord] = dataclasses.field(default_factory=list)
+    prefill_seconds: float = 0.0  # time inside the LLM (text model) forward
+    note: str = ""
+
+    @property
+    def retention(self) -> float:
+        return self.visual_tokens_out / self.visual_tokens_in if self.visual_tokens_in else 1.0
+
+    @property
+    def mean_layer_retention(self) -> float:
+        """Average fraction of visual tokens over the LLM layers (FrameFusion's `cost`)."""
+        if not self.layer_visual_tokens or not self.visual_tokens_in:
+            return 1.0
+        return sum(self.layer_visual_tokens) / (len(self.layer_visual_tokens) * self.visual_tokens_in)
+
+    def stage_seconds(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for rec in self.stages:
+            out[rec.stage] = out.get(rec.stage, 0.0) + rec.seconds
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["retention"] = self.retention
+        data["mean_layer_retention"] = self.mean_layer_retention
+        return data
+
+    def table(self) -> str:
+        """A plain-text summary a person can read."""
+        if not self.has_video:
+            return f"no video in the input: the model ran unchanged. {self.note}".strip()
+        lines = [
+            f"videos: {self.videos}   batch: {self.batch_size}",
+            f"{'stage':<9} {'plugin':<16} {'tokens in':>10} {'tokens out':>11} {'ms':>9}",
+        ]
+        for rec in self.stages:
+            lines.append(
+                f"{rec.stage:<9} {rec.plugin:<16} {rec.tokens_in:>10} {rec.tokens_out:>11} {rec.seconds * 1e3:>9.1f}"
+            )
+        lines.append(
+            f"visual tokens: {self.visual_tokens_in} produced -> {self.llm_tokens_in} enter the LLM -> "
+            f"{self.visual_tokens_out} at the last layer ({self.retention:.1%})"
+        )
+        if self.layer_visual_tokens:
+            lines.append("per LLM layer: " + " ".join(str(n) for n in self.layer_visual_tokens))
+        return "\n".join(lines)
+
+
+class StatsRecorder:
+    """Collects `ForwardStats` for the prefill forwards of a patched model."""
+
+    def __init__(self) -> None:
+        self.last: ForwardStats | None = None
+        self.prefills = 0
+        self._current: ForwardStats | None = None
+
+    def begin(self, has_video: bool, **fields) -> ForwardStats:
+        self._current = ForwardStats(has_video=has_video, **fields)
+        return self._current
+
+    @property
+    def current(self) -> ForwardStats | None:
+        return self._current
+
+    def record(self, stage: str, plugin: str, tokens_in: int, tokens_out: int, seconds: float) -> None:
+        if self._current is not None:
+            self._current.stages.append(StageRecord(stage, plugin, tokens_in, tokens_out, seconds))
+
+    def add_seconds(self, stage: str, plugin: str, seconds: float) -> None:
+        """Accumulate time for a plugin called many times in one forward (prefill plugins: once per layer)."""
+        if self._current is None:
+            return
+        for rec in self._current.stages:
+            if rec.stage == stage and rec.plugin == plugin:
+                rec.seconds += seconds
+                return
+        self._current.stages.append(StageRecord(stage, plugin, 0, 0, seconds))
+
+    def end(self) -> None:
+        if self._current is not None:
+            self.last = self._current
+            self.prefills += 1
+            self._current = None

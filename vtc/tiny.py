@@ -1,0 +1,363 @@
+"""Small random-weight models of the five supported families, built offline from configs.
+
+Used by the test suite, by `vtc run` with no arguments (the offline demo) and by `vtc bench` (the mid-size
+timing model). Nothing is downloaded: the tokenizer is a byte-level BPE trained in-process on a few fixed
+sentences, the weights are random (seeded), and the processors are built from their classes.
+
+These models answer with noise. They exist to exercise every code path of a real checkpoint of the same
+architecture (token layout, M-RoPE, DeepStack, pooling, newline tokens), not to produce meaningful text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava_onevision", "llava_next_video")
+
+QWEN_SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+LLAVA_SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>", "<image>", "<video>"]
+
+# Enough varied text for a byte-level BPE to learn a useful vocabulary; the content is irrelevant.
+_TRAINING_TEXT = [
+    "What happens in this video? Describe the scene in detail.",
+    "A red square moves from the left to the right while a blue circle stays still.",
+    "The camera cuts to a new scene with a green triangle and a yellow background.",
+    "How many objects are visible, and which one moves the fastest?",
+    "Answer with the option's letter from the given choices directly.",
+    "user assistant system You are a helpful assistant.",
+    "0 1 2 3 4 5 6 7 8 9 seconds frames time <0.5 seconds> <1.0 seconds>",
+]
+
+QWEN_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif content['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+LLAVA_OV_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'video' %}<video>\n{% elif content['type'] == 'image' %}<image>\n"
+    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+LLAVA_NEXT_VIDEO_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'].upper() }}: "
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'video' %}<video>\n{% elif content['type'] == 'image' %}<image>\n"
+    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}{% endif %} {% endfor %}"
+    "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class TinySize:
+    """Shape of the language model; the vision tower stays small in every size."""
+
+    hidden: int = 128
+    layers: int = 4
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate: int = 256
+    vocab: int = 512
+
+
+SIZES = {
+    # unit tests: every forward well under a second
+    "tiny": TinySize(),
+    # `vtc run` demo: big enough that compression visibly speeds up prefill on 2 CPU cores
+    "demo": TinySize(hidden=512, layers=8, heads=8, kv_heads=2, intermediate=1536, vocab=1024),
+    # `vtc bench` default: Qwen2-0.5B-shaped LLM (ENVIRONMENT.md: ~15 s per 1k-token prefill on 2 cores)
+    "bench": TinySize(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, vocab=1024),
+}
+
+
+def build_tokenizer(family: str, vocab_size: int = 512):
+    """A byte-level BPE tokenizer with the family's special tokens, trained in-process (no network)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    special = QWEN_SPECIAL_TOKENS if family.startswith("qwen") else LLAVA_SPECIAL_TOKENS
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=special,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_TRAINING_TEXT * 4, trainer=trainer)
+    if family.startswith("qwen"):
+        fast = PreTrainedTokenizerFast(
+            tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", padding_side="left"
+        )
+    else:
+        fast = PreTrainedTokenizerFast(
+            tokenizer_object=tok,
+            bos_token="<s>",
+            eos_token="</s>",
+            unk_token="<unk>",
+            pad_token="<pad>",
+            padding_side="left",
+            extra_special_tokens={"image_token": "<image>", "video_token": "<video>"},
+        )
+    return fast
+
+
+def _text_config(size: TinySize, tokenizer, **extra) -> dict[str, Any]:
+    return dict(
+        vocab_size=max(size.vocab, len(tokenizer)),
+        hidden_size=size.hidden,
+        intermediate_size=size.intermediate,
+        num_hidden_layers=size.layers,
+        num_attention_heads=size.heads,
+        num_key_value_heads=size.kv_heads,
+        max_position_embeddings=32768,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        **extra,
+    )
+
+
+def _qwen_ids(tokenizer) -> dict[str, int]:
+    ids = tokenizer.convert_tokens_to_ids
+    return dict(
+        image_token_id=ids("<|image_pad|>"),
+        video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"),
+        vision_end_token_id=ids("<|vision_end|>"),
+    )
+
+
+def _mrope_section(size: TinySize) -> list[int]:
+    half = size.hidden // size.heads // 2  # head_dim / 2
+    t = half // 4
+    rest = half - t
+    return [t, rest // 2, rest - rest // 2]
+
+
+def build(family: str, size: str = "tiny", seed: int = 0, dtype: torch.dtype = torch.float32):
+    """Return `(model, processor)` for a random-weight model of `family` (one of `FAMILIES`)."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; choose one of {', '.join(SIZES)}")
+    shape = SIZES[size]
+    torch.manual_seed(seed)
+    tokenizer = build_tokenizer(family, shape.vocab)
+    builder = {
+        "qwen2_vl": _build_qwen2_vl,
+        "qwen2_5_vl": _build_qwen2_5_vl,
+        "qwen3_vl": _build_qwen3_vl,
+        "llava_onevision": _build_llava_onevision,
+        "llava_next_video": _build_llava_next_video,
+    }[family]
+    model, processor = builder(shape, tokenizer)
+    model = model.to(dtype).eval()
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model, processor
+
+
+def _qwen_text_config(shape: TinySize, tokenizer) -> dict[str, Any]:
+    return _text_config(
+        shape,
+        tokenizer,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": _mrope_section(shape)},
+    )
+
+
+def _build_qwen2_vl(shape: TinySize, tokenizer):
+    from transformers import (
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+        Qwen2VLImageProcessor,
+        Qwen2VLProcessor,
+        Qwen2VLVideoProcessor,
+    )
+
+    config = Qwen2VLConfig(
+        text_config=_qwen_text_config(shape, tokenizer),
+        vision_config=dict(depth=2, embed_dim=64, hidden_size=shape.hidden, num_heads=4, mlp_ratio=2),
+        **_qwen_ids(tokenizer),
+    )
+    processor = Qwen2VLProcessor(
+        image_processor=Qwen2VLImageProcessor(),
+        video_processor=Qwen2VLVideoProcessor(),
+        tokenizer=tokenizer,
+        chat_template=QWEN_CHAT_TEMPLATE,
+    )
+    return Qwen2VLForConditionalGeneration(config), processor
+
+
+def _build_qwen2_5_vl(shape: TinySize, tokenizer):
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2_5_VLProcessor,
+        Qwen2VLImageProcessor,
+        Qwen2VLVideoProcessor,
+    )
+
+    config = Qwen2_5_VLConfig(
+        text_config=_qwen_text_config(shape, tokenizer),
+        vision_config=dict(
+            depth=4,
+            hidden_size=64,
+            intermediate_size=128,
+            num_heads=4,
+            out_hidden_size=shape.hidden,
+            fullatt_block_indexes=[1, 3],
+            window_size=56,
+        ),
+        **_qwen_ids(tokenizer),
+    )
+    processor = Qwen2_5_VLProcessor(
+        image_processor=Qwen2VLImageProcessor(),
+        video_processor=Qwen2VLVideoProcessor(),
+        tokenizer=tokenizer,
+        chat_template=QWEN_CHAT_TEMPLATE,
+    )
+    return Qwen2_5_VLForConditionalGeneration(config), processor
+
+
+def _build_qwen3_vl(shape: TinySize, tokenizer):
+    from transformers import (
+        Qwen2VLImageProcessor,
+        Qwen3VLConfig,
+        Qwen3VLForConditionalGeneration,
+        Qwen3VLProcessor,
+        Qwen3VLVideoProcessor,
+    )
+
+    text = _text_config(
+        shape,
+        tokenizer,
+        head_dim=shape.hidden // shape.heads,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "mrope_section": _mrope_section(shape),
+            "mrope_interleaved": True,
+        },
+    )
+    config = Qwen3VLConfig(
+        text_config=text,
+        vision_config=dict(
+            depth=3,
+            hidden_size=64,
+            intermediate_size=128,
+            num_heads=4,
+            patch_size=16,
+            out_hidden_size=shape.hidden,
+            num_position_embeddings=256,
+            deepstack_visual_indexes=[0, 1],
+        ),
+        **_qwen_ids(tokenizer),
+    )
+    image_processor = Qwen2VLImageProcessor(patch_size=16)
+    processor = Qwen3VLProcessor(
+        image_processor=image_processor,
+        video_processor=Qwen3VLVideoProcessor(),
+        tokenizer=tokenizer,
+        chat_template=QWEN_CHAT_TEMPLATE,
+    )
+    return Qwen3VLForConditionalGeneration(config), processor
+
+
+def _build_llava_onevision(shape: TinySize, tokenizer):
+    from transformers import (
+        LlavaOnevisionConfig,
+        LlavaOnevisionForConditionalGeneration,
+        LlavaOnevisionImageProcessor,
+        LlavaOnevisionProcessor,
+        LlavaOnevisionVideoProcessor,
+    )
+
+    ids = tokenizer.convert_tokens_to_ids
+    config = LlavaOnevisionConfig(
+        text_config=dict(model_type="qwen2", **_text_config(shape, tokenizer)),
+        vision_config=dict(
+            model_type="siglip_vision_model",
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            image_size=384,
+            patch_size=14,
+        ),
+        image_token_index=ids("<image>"),
+        video_token_index=ids("<video>"),
+        vision_feature_select_strategy="full",
+        vision_feature_layer=-1,
+    )
+    processor = LlavaOnevisionProcessor(
+        image_processor=LlavaOnevisionImageProcessor(),
+        video_processor=LlavaOnevisionVideoProcessor(),
+        tokenizer=tokenizer,
+        num_image_tokens=729,
+        vision_feature_select_strategy="full",
+        chat_template=LLAVA_OV_CHAT_TEMPLATE,
+    )
+    return LlavaOnevisionForConditionalGeneration(config), processor
+
+
+def _build_llava_next_video(shape: TinySize, tokenizer):
+    from transformers import (
+        LlavaNextImageProcessor,
+        LlavaNextVideoConfig,
+        LlavaNextVideoForConditionalGeneration,
+        LlavaNextVideoProcessor,
+        LlavaNextVideoVideoProcessor,
+    )
+
+    ids = tokenizer.convert_tokens_to_ids
+    config = LlavaNextVideoConfig(
+        text_config=dict(model_type="llama", **_text_config(shape, tokenizer)),
+        vision_config=dict(
+            model_type="clip_vision_model",
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            image_size=336,
+            patch_size=14,
+            projection_dim=64,
+        ),
+        image_token_index=ids("<image>"),
+        video_token_index=ids("<video>"),
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-1,
+    )
+    size = {"shortest_edge": 336}
+    crop = {"height": 336, "width": 336}
+    processor = LlavaNextVideoProcessor(
+        video_processor=LlavaNextVideoVideoProcessor(size=size, crop_size=crop),
+        image_processor=LlavaNextImageProcessor(size=size, crop_size=crop),
+        tokenizer=tokenizer,
+        patch_size=14,
+        vision_feature_select_strategy="default",
+        chat_template=LLAVA_NEXT_VIDEO_CHAT_TEMPLATE,
+    )
+    return LlavaNextVideoForConditionalGeneration(config), processor

@@ -1,0 +1,196 @@
+"""Reading videos (decord, else torchcodec, else PyAV: the same frames whichever is used) and making test
+clips with real structure (moving shapes, scene cuts, static stretches) for offline demos and tests."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+import os
+from typing import Sequence
+
+import numpy as np
+
+
+def available_backends() -> list[str]:
+    names = []
+    for module, name in (("decord", "decord"), ("torchcodec", "torchcodec"), ("av", "pyav")):
+        if importlib.util.find_spec(module) is not None:
+            names.append(name)
+    return names
+
+
+@dataclasses.dataclass
+class VideoSource:
+    """A video to sample frames from: a file (decoded lazily) or frames already in memory.
+
+    Attributes: `num_frames` (total frames), `fps`, `width`, `height`, `duration` (seconds), `backend`.
+    """
+
+    path: str | None
+    num_frames: int
+    fps: float
+    width: int
+    height: int
+    backend: str
+    _frames: np.ndarray | None = None
+
+    @property
+    def duration(self) -> float:
+        return self.num_frames / self.fps if self.fps else 0.0
+
+    @classmethod
+    def open(cls, video: "str | os.PathLike | np.ndarray | VideoSource", fps: float | None = None,
+             backend: str | None = None) -> "VideoSource":
+        """Wrap a path, a [T, H, W, 3] uint8 array (with its `fps`, default 1.0) or an existing source."""
+        if isinstance(video, VideoSource):
+            return video
+        if isinstance(video, np.ndarray):
+            if video.ndim != 4 or video.shape[-1] != 3:
+                raise ValueError(f"a frame array must be [T, H, W, 3] uint8, got shape {video.shape}")
+            frames = np.ascontiguousarray(video, dtype=np.uint8)
+            return cls(None, frames.shape[0], float(fps or 1.0), frames.shape[2], frames.shape[1], "array", frames)
+        path = os.fspath(video)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"video not found: {path}")
+        backends = available_backends()
+        if backend is None:
+            if not backends:
+                raise RuntimeError("no video decoder installed; install one of: decord, torchcodec, av (PyAV)")
+            backend = backends[0]
+        elif backend not in ("decord", "torchcodec", "pyav"):
+            raise ValueError(f"unknown video backend {backend!r}; choose decord, torchcodec or pyav")
+        num, rate, width, height = _PROBE[backend](path)
+        return cls(path, num, float(fps or rate), width, height, backend)
+
+    def read(self, indices: Sequence[int]) -> np.ndarray:
+        """Frames at `indices` as a [n, H, W, 3] uint8 array."""
+        indices = [int(i) for i in indices]
+        bad = [i for i in indices if not 0 <= i < self.num_frames]
+        if bad:
+            raise IndexError(f"frame indices {bad[:5]} outside [0, {self.num_frames})")
+        if self._frames is not None:
+            return self._frames[indices]
+        return _READ[self.backend](self.path, indices)
+
+
+def uniform_indices(total: int, count: int) -> list[int]:
+    """`count` frame indices spread evenly over `total` frames: np.linspace(0, total - 1, count) rounded,
+    the convention of LLaVA-OneVision / LLaVA-Video / QuoTA evaluation code (`force_sample`)."""
+    if count <= 0:
+        raise ValueError(f"number of frames must be positive, got {count}")
+    if count >= total:
+        return list(range(total))
+    return np.linspace(0, total - 1, count).round().astype(int).tolist()
+
+
+# --- backends -------------------------------------------------------------------------------------------------
+def _probe_decord(path):
+    import decord
+
+    reader = decord.VideoReader(path, num_threads=1)
+    height, width = reader[0].shape[:2]
+    return len(reader), float(reader.get_avg_fps()), width, height
+
+
+def _read_decord(path, indices):
+    import decord
+
+    return decord.VideoReader(path, num_threads=1).get_batch(indices).asnumpy()
+
+
+def _probe_torchcodec(path):
+    from torchcodec.decoders import VideoDecoder
+
+    meta = VideoDecoder(path).metadata
+    return int(meta.num_frames), float(meta.average_fps), int(meta.width), int(meta.height)
+
+
+def _read_torchcodec(path, indices):
+    from torchcodec.decoders import VideoDecoder
+
+    frames = VideoDecoder(path).get_frames_at(indices).data
+    return frames.permute(0, 2, 3, 1).numpy()
+
+
+def _probe_pyav(path):
+    import av
+
+    with av.open(path) as container:
+        stream = container.streams.video[0]
+        num = stream.frames or sum(1 for _ in container.decode(stream))
+        rate = float(stream.average_rate) if stream.average_rate else 1.0
+        return int(num), rate, stream.codec_context.width, stream.codec_context.height
+
+
+def _read_pyav(path, indices):
+    import av
+
+    wanted = sorted(set(indices))
+    found: dict[int, np.ndarray] = {}
+    with av.open(path) as container:
+        for i, frame in enumerate(container.decode(video=0)):
+            if i in wanted:
+                found[i] = frame.to_ndarray(format="rgb24")
+            if i >= wanted[-1]:
+                break
+    return np.stack([found[i] for i in indices])
+
+
+_PROBE = {"decord": _probe_decord, "torchcodec": _probe_torchcodec, "pyav": _probe_pyav}
+_READ = {"decord": _read_decord, "torchcodec": _read_torchcodec, "pyav": _read_pyav}
+
+
+# --- synthetic clips ----------------------------------------------------------------------------------------------
+def synthetic_video(num_frames: int = 64, height: int = 224, width: int = 224, seed: int = 0) -> np.ndarray:
+    """A clip with structure compression methods can find, as [T, H, W, 3] uint8.
+
+    Three scenes (cuts at 1/3 and 2/3): a red square moving left to right over a blue circle that stays
+    still; a static stretch (identical frames) with a green triangle; a yellow disc bouncing over a random
+    texture (fixed by `seed`).
+    """
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:height, 0:width]
+    frames = np.empty((num_frames, height, width, 3), dtype=np.uint8)
+    cut1, cut2 = num_frames // 3, 2 * num_frames // 3
+    texture = (rng.integers(0, 40, size=(height, width, 1)) + np.array([30, 30, 60])).astype(np.uint8)
+    for t in range(num_frames):
+        if t < cut1:
+            img = np.full((height, width, 3), (235, 235, 235), dtype=np.uint8)
+            cy, cx, r = height // 2, width // 4, min(height, width) // 8
+            img[(yy - cy) ** 2 + (xx - cx) ** 2 < r * r] = (40, 60, 200)
+            side = min(height, width) // 6
+            x0 = int((width - side) * t / max(cut1 - 1, 1))
+            y0 = height // 5
+            img[y0 : y0 + side, x0 : x0 + side] = (210, 30, 30)
+        elif t < cut2:
+            img = np.full((height, width, 3), (20, 90, 40), dtype=np.uint8)
+            tri = (yy > height // 4) & (yy < 3 * height // 4) & (np.abs(xx - width // 2) < (yy - height // 4) // 2)
+            img[tri] = (120, 230, 120)
+        else:
+            img = texture.copy()
+            phase = (t - cut2) / max(num_frames - cut2, 1)
+            cy = int(height / 2 + height / 3 * math.sin(2 * math.pi * phase))
+            cx = int(width * (0.2 + 0.6 * phase))
+            r = min(height, width) // 10
+            img[(yy - cy) ** 2 + (xx - cx) ** 2 < r * r] = (240, 210, 40)
+        frames[t] = img
+    return frames
+
+
+def write_video(path: "str | os.PathLike", frames: np.ndarray, fps: float = 8.0) -> str:
+    """Encode [T, H, W, 3] uint8 frames to an mp4 file with PyAV (mpeg4, so it decodes everywhere)."""
+    import av
+
+    path = os.fspath(path)
+    with av.open(path, mode="w") as container:
+        stream = container.add_stream("mpeg4", rate=int(round(fps)))
+        stream.width, stream.height = frames.shape[2], frames.shape[1]
+        stream.pix_fmt = "yuv420p"
+        stream.options = {"qscale": "2"}
+        for frame in frames:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return path
