@@ -1,0 +1,220 @@
+"""FrameFusion: the cost schedule (the spec's worked example), the merge rule on hand-built inputs, and the
+patched model against an independent re-derivation of the official algorithm in its own structure
+(thu-nics/FrameFusion `main.py`: patch types, similarity by patch, runs merged with index_add_, one prune)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import vtc
+from tests.conftest import model_and_processor, single_inputs
+from tests.reference import CAPTURED, ManualLLM, compressible_video_mask, extend_inputs, last_rows_attention
+from vtc_plugins.framefusion import DEFAULT_SIMILARITY, FrameFusionParams, merge_plan, pruning_ratio
+
+
+def test_cost_schedule_worked_example():
+    """methods-a.md §3.1: c = 0.3, L = 28, merge ratios 0.5, 0.2, 0.05 then prune."""
+    assert pruning_ratio([], 0.3) == pytest.approx(0.7)
+    assert pruning_ratio([0.5], 0.3) == pytest.approx(1 - (8.4 - 0.5) / (27 * 0.5))  # 0.415
+    assert pruning_ratio([0.5], 0.3) == pytest.approx(0.4148, abs=1e-4)
+    assert pruning_ratio([0.5, 0.2], 0.3) == pytest.approx(0.279, abs=1e-3)
+    rho = pruning_ratio([0.5, 0.2, 0.05], 0.3)
+    assert rho == pytest.approx(1 - (8.4 - 1.28) / (25 * 0.38))  # 0.25
+    assert 0.38 * (1 - rho) == pytest.approx(0.285, abs=1e-3)  # 28.5% of the tokens for the remaining layers
+    # the schedule keeps the mean over the 28 layers at the cost
+    kept = [1.0, 0.5, 0.4, 0.38] + [0.38 * (1 - rho)] * 24
+    assert sum(kept[1:] + [kept[-1]]) / 28 == pytest.approx(0.3, abs=1e-6)
+    assert pruning_ratio([0.9, 0.9], 1.0) == 0.0  # budget never binding -> no pruning
+    with pytest.raises(ValueError, match="The cost is too small"):
+        pruning_ratio([0.0] * 10, 0.3)
+
+
+def test_defaults_follow_the_official_code():
+    p = FrameFusionParams()
+    assert (p.cost, p.ratio_lower_bound, p.num_layers) == (None, 0.1, 28)
+    assert DEFAULT_SIMILARITY["qwen2_vl"] == 0.5 and DEFAULT_SIMILARITY["llava_onevision"] == 0.6
+    assert vtc.registry()["framefusion"].factory(p, None).cost == 0.3
+
+
+def test_identical_frames_merge_and_runs_fold_into_the_earliest_frame():
+    torch.manual_seed(0)
+    frame = torch.randn(4, 16)
+    other = torch.randn(4, 16)
+    # frames: A A A B  (patch chains of length 4); slot 0 is a text token
+    hidden = torch.cat([torch.randn(1, 16), frame, frame, frame, other])
+    slots = torch.arange(1, 17)
+    key = torch.cat([torch.tensor([-1]), torch.arange(4).repeat(4)])
+    dst, src, ratio, budget_hit = merge_plan(hidden, slots, key, threshold=0.9, max_ratio=0.9)
+    assert not budget_hit
+    assert ratio == pytest.approx(8 / 16)  # frames 2 and 3 of every chain
+    # each chain's run (frames 1, 2) folds into frame 0 of the chain
+    pairs = sorted(zip(src.tolist(), dst.tolist()))
+    assert pairs == sorted([(1 + 4 + p, 1 + p) for p in range(4)] + [(1 + 8 + p, 1 + p) for p in range(4)])
+
+
+def test_budget_branch_merges_exactly_the_budget():
+    torch.manual_seed(1)
+    frame = torch.randn(4, 16)
+    hidden = torch.cat([frame, frame, frame + 0.01 * torch.randn(4, 16)])
+    slots = torch.arange(12)
+    key = torch.arange(4).repeat(3)
+    dst, src, ratio, budget_hit = merge_plan(hidden, slots, key, threshold=0.5, max_ratio=0.5)
+    assert budget_hit and ratio == pytest.approx(8 / 12)
+    assert src.numel() == int(0.5 * 12)
+
+
+class OfficialStyleFrameFusion:
+    """The official FrameFusion module re-derived for batch size 1, in the official structure."""
+
+    TEXT = -1
+
+    def __init__(self, cost, similarity_lower_bound, ratio_lower_bound):
+        self.cost, self.s_th, self.r_min = cost, similarity_lower_bound, ratio_lower_bound
+
+    def prepare(self, patch_type, patch_num):
+        self.patch_type, self.patch_num = patch_type, patch_num
+        self.finish_merging = self.finish_pruning = False
+        self.sparsity_list = []
+
+    def __call__(self, hidden, cos, sin, attn_weights=None):
+        if self.finish_merging and not self.finish_pruning:
+            visual = torch.nonzero(self.patch_type[0] != self.TEXT).flatten()
+            importance = attn_weights.mean(dim=(1, 2))[0][visual]
+            ratio = pruning_ratio(self.sparsity_list, self.cost)
+            top = visual[importance.topk(round(visual.numel() * (1 - ratio))).indices]
+            keep = torch.sort(torch.cat([torch.nonzero(self.patch_type[0] == self.TEXT).flatten(), top])).values
+            hidden, cos, sin = hidden[:, keep], cos[:, keep], sin[:, keep]
+            self.patch_type = self.patch_type[:, keep]
+            self.finish_pruning = True
+        if not self.finish_merging:
+            upper = pruning_ratio(self.sparsity_list, self.cost)
+            patch_of, token_index = torch.where(self.patch_type == torch.arange(self.patch_num)[:, None])
+            a, b = hidden[0, token_index[:-1]], hidden[0, token_index[1:]]
+            sim = (a * b).sum(-1) / (a.norm(dim=-1) * b.norm(dim=-1))
+            sim[patch_of[:-1] != patch_of[1:]] = -2
+            sim = torch.cat([torch.full((1,), -2.0, dtype=sim.dtype), sim])
+            num_visual = int((self.patch_type != self.TEXT).sum())
+            merge_pos = torch.nonzero(sim >= self.s_th).flatten()
+            ratio = merge_pos.numel() / num_visual
+            if ratio < upper:
+                self.sparsity_list.append(ratio)
+                if ratio < self.r_min:
+                    self.finish_merging = True
+            else:
+                merge_pos = torch.sort(torch.topk(sim, int(upper * num_visual)).indices).values
+                self.finish_merging = self.finish_pruning = True
+            hidden, keep = self._merge(hidden, token_index, merge_pos)
+            hidden, cos, sin = hidden[:, keep], cos[:, keep], sin[:, keep]
+            self.patch_type = self.patch_type[:, keep]
+        return hidden, cos, sin
+
+    @staticmethod
+    def _merge(hidden, token_index, merge_pos):
+        """Runs of consecutive merge positions (in patch order) fold into the element before the run."""
+        keep = torch.ones(hidden.shape[1], dtype=torch.bool)
+        if merge_pos.numel() == 0:
+            return hidden, keep
+        flags = torch.zeros(token_index.numel(), dtype=torch.long)
+        flags[merge_pos] = 1
+        hidden = hidden.clone()
+        anchors, members, run_of = [], [], []
+        i = 0
+        while i < flags.numel():
+            if flags[i]:
+                start = i
+                while i < flags.numel() and flags[i]:
+                    i += 1
+                anchors.append(start - 1)
+                run_of.append(i - start)
+                members.extend(range(start, i))
+            else:
+                i += 1
+        keep[token_index[merge_pos]] = False
+        anchor_of_member = torch.repeat_interleave(torch.tensor(anchors), torch.tensor(run_of))
+        hidden.index_add_(1, token_index[anchor_of_member], hidden[:, token_index[torch.tensor(members)]])
+        hidden[:, token_index[torch.tensor(anchors)]] /= (torch.tensor(run_of)[None, :, None] + 1)
+        return hidden, keep
+
+
+def framefusion_reference(model, inputs, cost, new_tokens=None, state=None):
+    """Official layer hooks: merge before layer 0's attention; after each layer's attention first prune
+    (when merging finished), else merge; attention probabilities of the last `num` prompt rows."""
+    adapter = vtc.api.resolve_adapter(model)
+    ref = ManualLLM(model)
+    prompt_len = inputs["input_ids"].shape[1]
+    if new_tokens is not None:
+        inputs = extend_inputs(inputs, new_tokens)
+    x = ref.llm_inputs(inputs)
+    hidden = x["inputs_embeds"]
+    cos, sin = ref.rope(hidden, x.get("position_ids"))
+    visual = compressible_video_mask(model, inputs["input_ids"])
+    stats = vtc.patch(model, "random", retention=1.0)
+    with torch.no_grad():
+        model(**inputs)
+    grid = stats.stats().grids[0]
+    stats.unpatch()
+    patch_num = grid[1] * grid[2]
+    patch_type = torch.full((1, hidden.shape[1]), -1)
+    patch_type[0, visual] = torch.arange(int(visual.sum())) % patch_num
+    ff = OfficialStyleFrameFusion(cost, DEFAULT_SIMILARITY[adapter.family], 0.1)
+    ff.prepare(patch_type, patch_num)
+    num = adapter.attention_rows
+    with ref.capturing(), torch.no_grad():
+        hidden, cos, sin = ff(hidden, cos, sin)
+        for i in range(len(ref.layers)):
+            hidden = ref.attention_block(i, hidden, cos, sin)
+            weights = None
+            if ff.finish_merging and not ff.finish_pruning:
+                query, key = CAPTURED[i]
+                n_prompt = hidden.shape[1] - (0 if new_tokens is None else new_tokens.shape[1])
+                weights = last_rows_attention(query[:, :, :n_prompt], key[:, :, :n_prompt], num, upcast=False)
+            hidden, cos, sin = ff(hidden, cos, sin, weights)
+            hidden = ref.mlp_block(i, hidden)
+    return ref.logits(hidden), ff
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "llava_onevision", "llava_next_video"])
+@pytest.mark.parametrize("cost", [0.3, 0.5])
+def test_matches_official_structure_reference(family, cost):
+    model, _ = model_and_processor(family)
+    inputs = single_inputs(family)
+    ref_logits, ff = framefusion_reference(model, inputs, cost)
+    with vtc.patch(model, "framefusion", retention=cost) as handle:
+        with torch.no_grad():
+            out = model(**inputs).logits
+        row = handle.pipeline.entries[0].plugin.rows[0]
+        stats = handle.stats()
+    assert row.sparsity == pytest.approx(ff.sparsity_list)
+    assert stats.visual_tokens_out == int((ff.patch_type != -1).sum())
+    torch.testing.assert_close(out[:, -1], ref_logits[:, -1], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_decode_after_ragged_prefill(family):
+    """Decode steps read a KV cache whose length differs per layer; compare with recomputing the whole
+    sequence, where the prompt is merged the same way (merges are causal) and pruned by the attention of
+    the prompt's last rows, as at prefill."""
+    model, _ = model_and_processor(family)
+    inputs = single_inputs(family)
+    with vtc.patch(model, "framefusion", retention=0.3) as handle:
+        gen = model.generate(**inputs, max_new_tokens=3, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True)
+        layers = handle.stats().layer_visual_tokens
+    assert len(set(layers)) > 1, "the cache should be ragged across layers for this check"
+    new = gen.sequences[:, inputs["input_ids"].shape[1]:]
+    for step in (1, 2):
+        ref_logits, _ = framefusion_reference(model, inputs, 0.3, new_tokens=new[:, :step])
+        torch.testing.assert_close(gen.logits[step], ref_logits[:, -1], atol=2e-5, rtol=1e-4)
+
+
+def test_qwen3_vl_deepstack_follows_merged_tokens():
+    """Qwen3-VL injects DeepStack features after the first layers; merged tokens get the mean of their
+    members' features (the same fold as the hidden states) and the model runs and decodes."""
+    model, _ = model_and_processor("qwen3_vl")
+    inputs = single_inputs("qwen3_vl")
+    with vtc.patch(model, "framefusion", retention=0.3) as handle:
+        gen = model.generate(**inputs, max_new_tokens=3, do_sample=False)
+        stats = handle.stats()
+    assert gen.shape[1] == inputs["input_ids"].shape[1] + 3
+    assert stats.visual_tokens_out < stats.visual_tokens_in

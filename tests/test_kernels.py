@@ -1,0 +1,141 @@
+"""vtc_kernels reference ops against straightforward Python loops on random inputs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from vtc_kernels import (
+    adjacent_frame_similarity,
+    chain_anchors,
+    chain_merge_mean,
+    chain_order,
+    chain_similarity,
+    cosine,
+    gather_tokens,
+    scatter_mean,
+    topk_indices,
+    topk_mask,
+)
+from vtc_kernels.similarity import NO_PREDECESSOR
+
+
+def loop_cosine(a, b):
+    dot = sum(x * y for x, y in zip(a.tolist(), b.tolist()))
+    return dot / (math.sqrt(sum(x * x for x in a.tolist())) * math.sqrt(sum(y * y for y in b.tolist())))
+
+
+def test_cosine_and_adjacent_frames():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 7, 16, generator=g, dtype=torch.float64)
+    sim = adjacent_frame_similarity(x)
+    assert sim.shape == (4, 7)
+    for t in range(4):
+        for p in range(7):
+            assert sim[t, p].item() == pytest.approx(loop_cosine(x[t, p], x[t + 1, p]), rel=1e-12)
+    a, b = x[0], x[1]
+    assert torch.allclose(cosine(a, b), torch.nn.functional.cosine_similarity(a, b, dim=-1))
+
+
+def test_chain_order_and_similarity_match_loops():
+    g = torch.Generator().manual_seed(1)
+    n = 40
+    x = torch.randn(n, 8, generator=g, dtype=torch.float64)
+    key = torch.randint(0, 5, (n,), generator=g)
+    slots = torch.sort(torch.randperm(n, generator=g)[:30]).values
+    order, keys = chain_order(key, slots)
+    expected = sorted(slots.tolist(), key=lambda s: (int(key[s]), s))
+    assert order.tolist() == expected
+    sim = chain_similarity(x, order, keys)
+    for i, slot in enumerate(expected):
+        if i == 0 or key[expected[i - 1]] != key[slot]:
+            assert sim[i].item() == NO_PREDECESSOR
+        else:
+            assert sim[i].item() == pytest.approx(loop_cosine(x[expected[i - 1]], x[slot]), rel=1e-12)
+
+
+def loop_chain_merge(x, order, merge):
+    out = x.clone()
+    keep = [True] * x.shape[0]
+    i = 0
+    m = len(order)
+    while i < m:
+        if merge[i]:
+            anchor = i - 1
+            run = []
+            while i < m and merge[i]:
+                run.append(order[i])
+                i += 1
+            a = order[anchor]
+            out[a] = (x[a] + sum(x[j] for j in run)) / (len(run) + 1)
+            for j in run:
+                keep[j] = False
+        else:
+            i += 1
+    return out, torch.tensor(keep)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_chain_merge_mean_matches_loop(seed):
+    g = torch.Generator().manual_seed(seed)
+    n = 30
+    x = torch.randn(n, 6, generator=g, dtype=torch.float64)
+    order = torch.randperm(n, generator=g)
+    merge = torch.rand(n, generator=g) < 0.5
+    merge[0] = False
+    out, keep = chain_merge_mean(x, order, merge)
+    ref_out, ref_keep = loop_chain_merge(x, order.tolist(), merge.tolist())
+    assert torch.equal(keep, ref_keep)
+    torch.testing.assert_close(out[keep], ref_out[keep])
+
+
+def test_chain_anchors_runs_fold_into_predecessor():
+    merge = torch.tensor([False, True, True, False, False, True, False, True])
+    assert chain_anchors(merge).tolist() == [0, 0, 4, 6]
+    with pytest.raises(ValueError, match="first chain position cannot be merged"):
+        chain_anchors(torch.tensor([True, False]))
+
+
+def test_identical_frames_merge_into_first():
+    """Two identical frames: every token of the second frame has similarity 1 and merges into the first."""
+    frame = torch.randn(4, 8)
+    x = torch.cat([frame, frame])
+    patch = torch.arange(8) % 4
+    order, keys = chain_order(patch, torch.arange(8))
+    sim = chain_similarity(x, order, keys)
+    merge = sim >= 0.99
+    assert int(merge.sum()) == 4
+    out, keep = chain_merge_mean(x, order, merge)
+    assert keep.tolist() == [True] * 4 + [False] * 4
+    torch.testing.assert_close(out[:4], frame)
+
+
+def test_scatter_mean_matches_loop():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(20, 5, generator=g, dtype=torch.float64)
+    index = torch.randint(0, 6, (20,), generator=g)
+    w = torch.rand(20, generator=g, dtype=torch.float64)
+    mean, mass = scatter_mean(x, index, 7, w)
+    for k in range(7):
+        members = [i for i in range(20) if index[i] == k]
+        if not members:
+            assert torch.all(mean[k] == 0) and mass[k] == 0
+            continue
+        total = sum(w[i] * x[i] for i in members)
+        torch.testing.assert_close(mean[k], total / sum(w[i] for i in members))
+
+
+def test_topk_selection():
+    scores = torch.tensor([0.1, 0.9, 0.3, 0.8, 0.5])
+    assert topk_indices(scores, 2).tolist() == [1, 3]
+    assert topk_indices(scores, 2, sort_indices=False).tolist() == [1, 3]
+    assert topk_indices(scores, 2, largest=False).tolist() == [0, 2]
+    assert topk_indices(scores, 99).tolist() == [0, 1, 2, 3, 4]
+    cand = torch.tensor([True, False, True, True, False])
+    assert topk_mask(scores, 2, cand).tolist() == [False, False, True, True, False]
+    embeds = torch.arange(10.0).view(5, 2)
+    positions = torch.arange(15).view(3, 5)
+    e, p = gather_tokens(torch.tensor([1, 3]), embeds, positions)
+    assert e.tolist() == [[2.0, 3.0], [6.0, 7.0]] and p.tolist() == [[1, 3], [6, 8], [11, 13]]
