@@ -144,6 +144,8 @@ class ModelPatch:
             if stats is not None and stats.has_video and counts:
                 stats.layer_visual_tokens = counts
                 stats.visual_tokens_out = counts[-1]
+        elif stats is not None and stats.has_video:
+            stats.layer_visual_tokens = [stats.llm_tokens_in] * len(self.adapter.decoder_layers)
         if stats is not None:
             stats.prefill_seconds = time.perf_counter() - self._llm_start
             self.recorder.end()

@@ -399,12 +399,16 @@ class LLMRuntime:
                     "a non-empty cache with a new video"
                 )
             self.layer_key_valid[layer] = layout.valid.clone()
-            mask = self._prefill_mask(layout.valid.to(query.device))
+            # no padding: plain causal attention (SDPA's is_causal path, the fast one)
+            mask = None if bool(layout.valid.all()) else self._prefill_mask(layout.valid.to(query.device))
             return attn_mod.original_attention("sdpa")(module, query, key, value, mask, **kwargs)
         key_valid = self.layer_key_valid.get(layer) if self.decoding else None
         if key_valid is None:
             return original(module, query, key, value, attention_mask, **kwargs)
-        mask = self._decode_mask(key_valid.to(query.device), q_len, kv_len)
+        if q_len == 1 and bool(key_valid.all()):
+            mask = None  # one new token sees every cached key
+        else:
+            mask = self._decode_mask(key_valid.to(query.device), q_len, kv_len)
         return attn_mod.original_attention("sdpa")(module, query, key, value, mask, **kwargs)
 
     @staticmethod

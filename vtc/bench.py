@@ -1,0 +1,227 @@
+"""`vtc bench`: methods x retentions on one model and video, timed in one run.
+
+For every configuration: prefill time (inside the LLM), time to first token (whole `generate`, vision
+encoder included), peak memory, visual tokens in/out and per LLM layer, the method's own time (connect
+stage + work inside prefill hooks), and the *limit*: the same decoder layers prefilling the same per-layer
+token counts with no compression logic at all. Reported as ratios measured in the same run:
+
+  speedup    = prefill without compression / (prefill + connect stage) of the method
+  efficiency = limit / (prefill + connect stage)      (1.0 = the method costs nothing beyond its tokens)
+  overhead   = method's own time / prefill without compression
+
+Configurations are measured round-robin (repeat 1 of every configuration, then repeat 2, ...) and the best
+of the repeats is kept, so slow drifts of a noisy machine hit every configuration alike.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+import vtc
+from vtc.loading import build_random_model, demo_clip, load_model
+from vtc.timing import LLMTimer, PeakMemory, plain_prefill_seconds, synchronize
+
+BENCH_QUESTION = "What happens in this video?"
+
+
+def _measure(model, inputs, spec: str | None, retention: float | None, params: dict[str, Any]) -> dict[str, Any]:
+    handle = vtc.patch(model, spec, retention=retention, **params) if spec else None
+    try:
+        with LLMTimer(model) as timer, PeakMemory() as memory, torch.no_grad():
+            synchronize()
+            start = time.perf_counter()
+            model.generate(**inputs, max_new_tokens=1, do_sample=False)
+            synchronize()
+            ttft = time.perf_counter() - start
+        stats = handle.stats() if handle else None
+    finally:
+        if handle:
+            handle.unpatch()
+    row = {"prefill_s": timer.first, "ttft_s": ttft, "peak_mb": memory.peak_mb}
+    if stats is not None:
+        secs = stats.stage_seconds()
+        row.update(
+            connect_s=secs.get("connect", 0.0),
+            overhead_s=secs.get("connect", 0.0) + secs.get("prefill", 0.0),
+            tokens_in=stats.visual_tokens_in,
+            tokens_llm=stats.llm_tokens_in,
+            tokens_out=stats.visual_tokens_out,
+            layer_tokens=list(stats.layer_visual_tokens),
+        )
+    return row
+
+
+def _best(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    best = dict(rows[0])
+    for key in ("prefill_s", "ttft_s", "connect_s", "overhead_s", "limit_s", "limit_final_s"):
+        values = [r[key] for r in rows if key in r]
+        if values:
+            best[key] = min(values)
+    best["peak_mb"] = max(r["peak_mb"] for r in rows)
+    best["repeats"] = len(rows)
+    return best
+
+
+def bench(
+    model: str | None = None,
+    video: str | None = None,
+    family: str = "qwen2_vl",
+    size: str = "bench",
+    methods: tuple[str, ...] = ("random", "fastv", "framefusion"),
+    retentions: tuple[float, ...] = (0.5, 0.3, 0.15),
+    frames: int = 16,
+    repeats: int = 2,
+    out_dir: str | None = None,
+    params: dict[str, Any] | None = None,
+    dtype: str = "float32",
+    console: Console | None = None,
+) -> dict[str, Any]:
+    console = console or Console()
+    params = dict(params or {})
+    if model is None:
+        with console.status(f"building a random-weight {family} ({size}) model"):
+            net, processor = build_random_model(family, size, dtype)
+        name = f"random-weight {family} ({size})"
+    else:
+        with console.status(f"loading {model}"):
+            net, processor = load_model(model, dtype=dtype)
+        name = model
+    video = video or demo_clip()
+    inputs = vtc.prepare_inputs(processor, video, BENCH_QUESTION, "uniform", num_frames=frames)
+    inputs = inputs.to(next(net.parameters()).device)
+    num_layers = len(vtc.api.resolve_adapter(net).decoder_layers)
+
+    configs: list[tuple[str, str | None, float | None]] = [("none", None, None)]
+    configs += [(m, m, r) for m in methods for r in retentions]
+    with console.status("warming up"), torch.no_grad():
+        net(**inputs)
+    measured: dict[tuple[str, float | None], list[dict[str, Any]]] = {(c[0], c[2]): [] for c in configs}
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console) as progress:
+        task = progress.add_task("benchmarking", total=repeats * len(configs))
+        for _ in range(repeats):
+            for label, spec, retention in configs:
+                progress.update(task, description=f"{label} @ {retention if retention else 1.0}")
+                row = _measure(net, inputs, spec, retention, params)
+                measured[(label, retention)].append(row)
+                progress.advance(task)
+
+    # the no-compression reference: token counts from a patched run at retention 1
+    with vtc.patch(net, "random", retention=1.0) as probe, torch.no_grad():
+        net(**inputs)
+        ref_stats = probe.stats()
+    visual = ref_stats.visual_tokens_in
+    text_tokens = ref_stats.sequence_in - visual
+    for rows in measured.values():
+        for row in rows:
+            row.setdefault("tokens_in", visual)
+            row.setdefault("tokens_llm", visual)
+            row.setdefault("tokens_out", visual)
+            row.setdefault("layer_tokens", [visual] * num_layers)
+            row.setdefault("connect_s", 0.0)
+            row.setdefault("overhead_s", 0.0)
+            schedule = row["layer_tokens"] or [row["tokens_llm"]] * num_layers
+            row["limit_s"] = plain_prefill_seconds(net, text_tokens, schedule)
+            if len(set(schedule)) > 1:
+                row["limit_final_s"] = plain_prefill_seconds(net, text_tokens, [row["tokens_out"]] * num_layers)
+            else:
+                row["limit_final_s"] = row["limit_s"]
+
+    results = []
+    base = _best(measured[("none", None)])
+    for (label, retention), rows in measured.items():
+        best = _best(rows)
+        method_time = best["prefill_s"] + best["connect_s"]
+        best.update(
+            method=label,
+            retention=retention if retention is not None else 1.0,
+            speedup=base["prefill_s"] / method_time,
+            ttft_speedup=base["ttft_s"] / best["ttft_s"],
+            efficiency=best["limit_s"] / method_time,
+            overhead_share=best["overhead_s"] / base["prefill_s"],
+            mean_layer_tokens=sum(best["layer_tokens"]) / len(best["layer_tokens"]),
+        )
+        results.append(best)
+
+    report = {
+        "model": name,
+        "family": vtc.api.resolve_adapter(net).family,
+        "video": video,
+        "frames": frames,
+        "visual_tokens": visual,
+        "text_tokens": text_tokens,
+        "num_layers": num_layers,
+        "repeats": repeats,
+        "environment": {
+            "torch": torch.__version__,
+            "transformers": __import__("transformers").__version__,
+            "threads": torch.get_num_threads(),
+            "device": str(next(net.parameters()).device),
+            "cpu": platform.processor() or platform.machine(),
+        },
+        "results": results,
+    }
+    print_table(report, console)
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "bench.json"), "w") as f:
+            json.dump(report, f, indent=2)
+        plot(report, os.path.join(out_dir, "bench.png"))
+        console.print(f"wrote {os.path.join(out_dir, 'bench.json')} and bench.png")
+    return report
+
+
+def print_table(report: dict[str, Any], console: Console) -> None:
+    table = Table(title=(
+        f"{report['model']}: {report['visual_tokens']} visual + {report['text_tokens']} text tokens, "
+        f"{report['num_layers']} layers, best of {report['repeats']}"
+    ))
+    columns = ["method", "retention", "tokens out", "mean/layer", "prefill s", "TTFT s", "peak MB", "limit s",
+               "speedup", "TTFT x", "efficiency", "overhead"]
+    for col in columns:
+        table.add_column(col, justify="left" if col == "method" else "right")
+    for r in report["results"]:
+        table.add_row(
+            r["method"], f"{r['retention']:.2f}", str(r["tokens_out"]), f"{r['mean_layer_tokens']:.0f}",
+            f"{r['prefill_s']:.2f}", f"{r['ttft_s']:.2f}", f"{r['peak_mb']:.0f}", f"{r['limit_s']:.2f}",
+            f"{r['speedup']:.2f}x", f"{r['ttft_speedup']:.2f}x", f"{r['efficiency']:.2f}",
+            f"{r['overhead_share']:.1%}",
+        )
+    console.print(table)
+
+
+def plot(report: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    by_method: dict[str, list[dict[str, Any]]] = {}
+    for r in report["results"]:
+        if r["method"] != "none":
+            by_method.setdefault(r["method"], []).append(r)
+    for method, rows in by_method.items():
+        rows = sorted(rows, key=lambda r: r["retention"])
+        x = [r["retention"] for r in rows]
+        axes[0].plot(x, [r["speedup"] for r in rows], marker="o", label=method)
+        axes[1].plot(x, [r["efficiency"] for r in rows], marker="o", label=method)
+    axes[0].set(xlabel="retention", ylabel="prefill speedup (x)", title="speedup vs no compression")
+    axes[1].set(xlabel="retention", ylabel="limit time / method time", title="efficiency (1 = no overhead)")
+    axes[1].axhline(0.95, color="grey", linestyle="--", linewidth=0.8)
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(report["model"])
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

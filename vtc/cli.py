@@ -1,0 +1,144 @@
+"""Command line: `vtc methods`, `vtc run`, `vtc bench`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+
+def parse_value(text: str) -> Any:
+    lowered = text.lower()
+    if lowered in ("none", "null"):
+        return None
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_params(items: list[str] | None) -> dict[str, Any]:
+    params: dict[str, Any] = {}
+    for item in items or []:
+        if "=" not in item:
+            raise SystemExit(f"--param expects name=value (e.g. k=3 or fastv.k=3), got {item!r}")
+        key, value = item.split("=", 1)
+        params[key.strip()] = parse_value(value.strip())
+    return params
+
+
+def cmd_methods(args, console: Console) -> int:
+    import vtc
+
+    infos = vtc.methods()
+    if args.json:
+        print(json.dumps([
+            {"name": i.name, "stages": list(i.stages), "paper": i.paper, "url": i.url, "families": list(i.families),
+             "fixed_count": i.fixed_count, "summary": i.summary}
+            for i in infos
+        ], indent=2))
+        return 0
+    table = Table(title="installed vtc methods")
+    for col in ("method", "stage", "paper", "families", "fixed count (serving)", "what it does"):
+        table.add_column(col)
+    for i in infos:
+        families = "all 5" if len(i.families) == 5 else ", ".join(i.families)
+        serving = "yes" if i.fixed_count and "prefill" not in i.stages else "no"
+        table.add_row(i.name, "+".join(i.stages), i.paper, families, serving, i.summary)
+    console.print(table)
+    return 0
+
+
+def cmd_run(args, console: Console) -> int:
+    from vtc.run import run
+
+    result = run(
+        model=args.model, video=args.video, question=args.question, methods=args.methods,
+        retention=args.retention, frames=args.frames, max_new_tokens=args.max_new_tokens,
+        params=parse_params(args.param), dtype=args.dtype, device=args.device, positions=args.positions,
+        family=args.family, size=args.size, console=console,
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2, default=str)
+    return 0
+
+
+def cmd_bench(args, console: Console) -> int:
+    from vtc.bench import bench
+
+    bench(
+        model=args.model, video=args.video, family=args.family, size=args.size,
+        methods=tuple(m for m in args.methods.split(",") if m and m != "none"),
+        retentions=tuple(float(r) for r in args.retentions.split(",")), frames=args.frames,
+        repeats=args.repeats, out_dir=args.out, params=parse_params(args.param), dtype=args.dtype,
+        console=console,
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vtc", description="training-free visual-token compression for video-LLMs")
+    sub = parser.add_subparsers(dest="command")
+
+    methods = sub.add_parser("methods", help="list installed methods")
+    methods.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    run = sub.add_parser("run", help="answer a question about a video with and without compression "
+                                     "(no arguments: offline demo)")
+    run.add_argument("--model", help="HF model id or local path (default: offline random-weight demo model)")
+    run.add_argument("--video", help="video file (default with the demo: a generated clip)")
+    run.add_argument("--question", help="question about the video")
+    run.add_argument("--methods", default="framefusion", help="method spec, e.g. 'uniform+fastv' (default framefusion)")
+    run.add_argument("--retention", type=float, default=0.3, help="fraction of visual tokens kept (default 0.3)")
+    run.add_argument("--frames", type=int, default=16, help="frames sampled from the video (default 16)")
+    run.add_argument("--max-new-tokens", type=int, default=24)
+    run.add_argument("--param", action="append", metavar="NAME=VALUE", help="method parameter, e.g. k=3 or fastv.k=3")
+    run.add_argument("--positions", choices=("keep", "compact"), help="position policy override")
+    run.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    run.add_argument("--device", default="auto", help="device_map for from_pretrained (auto = GPU if available)")
+    run.add_argument("--family", default="qwen2_5_vl", help="demo model family")
+    run.add_argument("--size", default="demo", help="demo model size: tiny, demo, bench")
+    run.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+
+    bench = sub.add_parser("bench", help="time prefill / TTFT / memory for methods x retentions")
+    bench.add_argument("--model", help="HF model id or local path (default: mid-size random-weight model)")
+    bench.add_argument("--video", help="video file (default: the generated demo clip)")
+    bench.add_argument("--family", default="qwen2_vl", help="family of the random model (default qwen2_vl)")
+    bench.add_argument("--size", default="bench", help="random model size: tiny, demo, bench (default bench)")
+    bench.add_argument("--methods", default="random,fastv,framefusion", help="comma-separated method specs")
+    bench.add_argument("--retentions", default="0.5,0.3,0.15", help="comma-separated retentions")
+    bench.add_argument("--frames", type=int, default=16)
+    bench.add_argument("--repeats", type=int, default=2, help="measurements per configuration (best is kept)")
+    bench.add_argument("--param", action="append", metavar="NAME=VALUE")
+    bench.add_argument("--dtype", default="float32")
+    bench.add_argument("--out", default="vtc-bench-results", help="directory for bench.json and bench.png")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    # wide enough for the benchmark table in logs and narrow terminals alike (rich wraps nothing then)
+    console = Console(width=max(Console().width, 150))
+    if args.command is None:
+        parser.print_help()
+        return 0
+    handler = {"methods": cmd_methods, "run": cmd_run, "bench": cmd_bench}[args.command]
+    try:
+        return handler(args, console)
+    except (ValueError, TypeError, FileNotFoundError) as err:
+        console.print(f"[bold red]error:[/bold red] {err}")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
