@@ -21,14 +21,20 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-
-from vtc.hookspecs import hookimpl
-from vtc.registry import MethodInfo
 from vtc_kernels import chain_anchors, chain_order, chain_similarity, topk_indices, topk_mask
 from vtc_kernels.similarity import NO_PREDECESSOR
 
+from vtc.hookspecs import hookimpl
+from vtc.registry import MethodInfo
+
 # S_th of the official examples: example_qwen2vl.py uses 0.5, README / example_llava.py 0.6
-DEFAULT_SIMILARITY = {"qwen2_vl": 0.5, "qwen2_5_vl": 0.5, "qwen3_vl": 0.5, "llava_onevision": 0.6, "llava_next_video": 0.6}
+DEFAULT_SIMILARITY = {
+    "qwen2_vl": 0.5,
+    "qwen2_5_vl": 0.5,
+    "qwen3_vl": 0.5,
+    "llava_onevision": 0.6,
+    "llava_next_video": 0.6,
+}
 
 
 @dataclasses.dataclass
@@ -74,8 +80,9 @@ class RowState:
     final_tokens: int | None = None  # visual tokens left by the last step (prune, or a budget-capped merge)
 
 
-def merge_plan(hidden: torch.Tensor, slots: torch.Tensor, chain_key: torch.Tensor, threshold: float,
-               max_ratio: float) -> tuple[torch.Tensor, torch.Tensor, float, bool]:
+def merge_plan(
+    hidden: torch.Tensor, slots: torch.Tensor, chain_key: torch.Tensor, threshold: float, max_ratio: float
+) -> tuple[torch.Tensor, torch.Tensor, float, bool]:
     """One merge step on one row.
 
     hidden [n, D]; slots [m] the visual slots; chain_key [n] (video, patch) key per slot.

@@ -32,8 +32,9 @@ def test_retention_outside_range(retention):
 def test_unsupported_model_lists_families():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                         intermediate_size=64, vocab_size=100))
+    model = LlamaForCausalLM(
+        LlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=100)
+    )
     with pytest.raises(TypeError, match=r"does not support LlamaForCausalLM; supported model families: qwen2_vl"):
         vtc.patch(model, "fastv")
 
@@ -96,7 +97,8 @@ def test_compact_positions_on_llava_renumber_and_decode():
 def test_input_without_video_runs_unchanged():
     model, processor = model_and_processor("qwen2_vl")
     text = processor.apply_chat_template(
-        [{"role": "user", "content": [{"type": "text", "text": "Hello there"}]}], add_generation_prompt=True,
+        [{"role": "user", "content": [{"type": "text", "text": "Hello there"}]}],
+        add_generation_prompt=True,
         tokenize=False,
     )
     inputs = processor(text=[text], return_tensors="pt")

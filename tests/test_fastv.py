@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from vtc_plugins.fastv import FastVParams, fastv_keep, kept_count
 
 import vtc
 from tests.conftest import FAMILIES, model_and_processor, single_inputs
 from tests.reference import CAPTURED, ManualLLM, compressible_video_mask, extend_inputs, last_rows_attention
-from vtc_plugins.fastv import FastVParams, fastv_keep, kept_count
 
 
 def test_keeps_the_top_attended_visual_tokens():
@@ -76,8 +76,12 @@ def test_matches_reference_prefill_and_decode(family):
     with vtc.patch(model, "fastv", retention=0.3) as handle:
         with torch.no_grad():
             out = model(**inputs).logits
-        assert handle.stats().visual_tokens_out == keep.numel() - int((~compressible_video_mask(model, inputs["input_ids"])).sum())
-        gen = model.generate(**inputs, max_new_tokens=3, do_sample=False, output_logits=True, return_dict_in_generate=True)
+        assert handle.stats().visual_tokens_out == keep.numel() - int(
+            (~compressible_video_mask(model, inputs["input_ids"])).sum()
+        )
+        gen = model.generate(
+            **inputs, max_new_tokens=3, do_sample=False, output_logits=True, return_dict_in_generate=True
+        )
     torch.testing.assert_close(out[:, -1], ref_logits[:, -1], atol=2e-5, rtol=1e-4)
     # decode steps: the prompt stays pruned as decided at prefill, new tokens attend at every layer
     new = gen.sequences[:, inputs["input_ids"].shape[1] :]

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from vtc_plugins.framefusion import DEFAULT_SIMILARITY, FrameFusionParams, merge_plan, pruning_ratio
 
 import vtc
 from tests.conftest import model_and_processor, single_inputs
 from tests.reference import CAPTURED, ManualLLM, compressible_video_mask, extend_inputs, last_rows_attention
-from vtc_plugins.framefusion import DEFAULT_SIMILARITY, FrameFusionParams, merge_plan, pruning_ratio
 
 
 def test_cost_schedule_worked_example():
@@ -133,7 +133,7 @@ class OfficialStyleFrameFusion:
         keep[token_index[merge_pos]] = False
         anchor_of_member = torch.repeat_interleave(torch.tensor(anchors), torch.tensor(run_of))
         hidden.index_add_(1, token_index[anchor_of_member], hidden[:, token_index[torch.tensor(members)]])
-        hidden[:, token_index[torch.tensor(anchors)]] /= (torch.tensor(run_of)[None, :, None] + 1)
+        hidden[:, token_index[torch.tensor(anchors)]] /= torch.tensor(run_of)[None, :, None] + 1
         return hidden, keep
 
 
@@ -142,7 +142,6 @@ def framefusion_reference(model, inputs, cost, new_tokens=None, state=None):
     (when merging finished), else merge; attention probabilities of the last `num` prompt rows."""
     adapter = vtc.api.resolve_adapter(model)
     ref = ManualLLM(model)
-    prompt_len = inputs["input_ids"].shape[1]
     if new_tokens is not None:
         inputs = extend_inputs(inputs, new_tokens)
     x = ref.llm_inputs(inputs)
@@ -198,11 +197,12 @@ def test_decode_after_ragged_prefill(family):
     model, _ = model_and_processor(family)
     inputs = single_inputs(family)
     with vtc.patch(model, "framefusion", retention=0.3) as handle:
-        gen = model.generate(**inputs, max_new_tokens=3, do_sample=False, output_logits=True,
-                             return_dict_in_generate=True)
+        gen = model.generate(
+            **inputs, max_new_tokens=3, do_sample=False, output_logits=True, return_dict_in_generate=True
+        )
         layers = handle.stats().layer_visual_tokens
     assert len(set(layers)) > 1, "the cache should be ragged across layers for this check"
-    new = gen.sequences[:, inputs["input_ids"].shape[1]:]
+    new = gen.sequences[:, inputs["input_ids"].shape[1] :]
     for step in (1, 2):
         ref_logits, _ = framefusion_reference(model, inputs, 0.3, new_tokens=new[:, :step])
         torch.testing.assert_close(gen.logits[step], ref_logits[:, -1], atol=2e-5, rtol=1e-4)

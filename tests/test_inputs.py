@@ -84,8 +84,9 @@ def test_handle_prepare_uses_the_pipeline_sampler(clip_path):
 def test_prepare_batch_pads_left_and_checks_lengths():
     _, processor = model_and_processor("llava_onevision")
     clips = list(videos())
-    inputs = vtc.prepare_inputs(processor, clips, ["short", "a much longer question about the clip"], num_frames=4,
-                                fps=8)
+    inputs = vtc.prepare_inputs(
+        processor, clips, ["short", "a much longer question about the clip"], num_frames=4, fps=8
+    )
     assert inputs["pixel_values_videos"].shape[:2] == (2, 4)
     assert inputs["attention_mask"][0, 0] == 0 and inputs["attention_mask"][:, -1].all()
     with pytest.raises(ValueError, match="one question per video"):

@@ -1,12 +1,12 @@
 """The plugin x family matrix: every token-reducing method on every model family must
 
-  * give logits identical to the unpatched model at retention 1.0,
-  * keep exactly the planned number of visual tokens,
-  * leave every surviving token at its original position (RoPE rows gathered, never recomputed),
-  * generate and decode,
-  * restore the unpatched model exactly on unpatch (no hook, attribute or config change left),
-  * handle a left-padded batch of two different videos exactly like the two prompts run one by one,
-  * run in bf16 (identity at retention 1.0 included).
+* give logits identical to the unpatched model at retention 1.0,
+* keep exactly the planned number of visual tokens,
+* leave every surviving token at its original position (RoPE rows gathered, never recomputed),
+* generate and decode,
+* restore the unpatched model exactly on unpatch (no hook, attribute or config change left),
+* handle a left-padded batch of two different videos exactly like the two prompts run one by one,
+* run in bf16 (identity at retention 1.0 included).
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ def test_survivors_keep_original_positions(method, family):
         text = inputs["input_ids"][0] != vtc.api.resolve_adapter(model).video_token_id
         assert bool((same_hidden & same_cos).any(0)[text].all())
     # every token of every later layer sits at one of the original positions, in the original order
-    for hid, cos_l in records[first:]:
+    for _, cos_l in records[first:]:
         where = _rows_in(cos_l, ref_cos)
         assert bool((where >= 0).all())
         if method not in ("dycoke", "aot"):  # methods whose official token order is not temporal
@@ -188,7 +188,9 @@ def test_connect_decode_continues_compressed_prompt(method, family):
     model, _ = model_and_processor(family)
     inputs = single_inputs(family)
     with vtc.patch(model, method, retention=RETENTION):
-        out = model.generate(**inputs, max_new_tokens=3, do_sample=False, output_logits=True, return_dict_in_generate=True)
+        out = model.generate(
+            **inputs, max_new_tokens=3, do_sample=False, output_logits=True, return_dict_in_generate=True
+        )
         full = dict(inputs)
         new = out.sequences[:, inputs["input_ids"].shape[1] :]
         full["input_ids"] = out.sequences[:, :-1]
@@ -204,7 +206,9 @@ def test_connect_decode_continues_compressed_prompt(method, family):
 def test_bf16(method, family):
     model, _ = model_and_processor(family, torch.bfloat16)
     inputs = single_inputs(family)
-    inputs = {k: (v.to(torch.bfloat16) if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in inputs.items()}
+    inputs = {
+        k: (v.to(torch.bfloat16) if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in inputs.items()
+    }
     ref = logits(model, inputs)
     with vtc.patch(model, method, retention=1.0):
         assert torch.equal(logits(model, inputs), ref)

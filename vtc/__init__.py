@@ -1,10 +1,10 @@
 """vtc: training-free visual-token compression for video-LLMs, as composable plugins.
 
-    import vtc
-    handle = vtc.patch(model, "uniform+fastv", retention=0.3)
-    inputs = handle.prepare(processor, "clip.mp4", "What happens?")
-    out = model.generate(**inputs)
-    handle.stats(); handle.unpatch()
+import vtc
+handle = vtc.patch(model, "uniform+fastv", retention=0.3)
+inputs = handle.prepare(processor, "clip.mp4", "What happens?")
+out = model.generate(**inputs)
+handle.stats(); handle.unpatch()
 """
 
 from vtc.api import PatchHandle, patch, prepare_inputs

@@ -40,11 +40,23 @@ def cmd_methods(args, console: Console) -> int:
 
     infos = vtc.methods()
     if args.json:
-        print(json.dumps([
-            {"name": i.name, "stages": list(i.stages), "paper": i.paper, "url": i.url, "families": list(i.families),
-             "fixed_count": i.fixed_count, "summary": i.summary}
-            for i in infos
-        ], indent=2))
+        print(
+            json.dumps(
+                [
+                    {
+                        "name": i.name,
+                        "stages": list(i.stages),
+                        "paper": i.paper,
+                        "url": i.url,
+                        "families": list(i.families),
+                        "fixed_count": i.fixed_count,
+                        "summary": i.summary,
+                    }
+                    for i in infos
+                ],
+                indent=2,
+            )
+        )
         return 0
     table = Table(title="installed vtc methods")
     for col in ("method", "stage", "paper", "families", "fixed count (serving)", "what it does"):
@@ -61,10 +73,20 @@ def cmd_run(args, console: Console) -> int:
     from vtc.run import run
 
     result = run(
-        model=args.model, video=args.video, question=args.question, methods=args.methods,
-        retention=args.retention, frames=args.frames, max_new_tokens=args.max_new_tokens,
-        params=parse_params(args.param), dtype=args.dtype, device=args.device, positions=args.positions,
-        family=args.family, size=args.size, console=console,
+        model=args.model,
+        video=args.video,
+        question=args.question,
+        methods=args.methods,
+        retention=args.retention,
+        frames=args.frames,
+        max_new_tokens=args.max_new_tokens,
+        params=parse_params(args.param),
+        dtype=args.dtype,
+        device=args.device,
+        positions=args.positions,
+        family=args.family,
+        size=args.size,
+        console=console,
     )
     if args.json:
         with open(args.json, "w") as f:
@@ -76,10 +98,17 @@ def cmd_bench(args, console: Console) -> int:
     from vtc.bench import bench
 
     bench(
-        model=args.model, video=args.video, family=args.family, size=args.size,
+        model=args.model,
+        video=args.video,
+        family=args.family,
+        size=args.size,
         methods=tuple(m for m in args.methods.split(",") if m and m != "none"),
-        retentions=tuple(float(r) for r in args.retentions.split(",")), frames=args.frames,
-        repeats=args.repeats, out_dir=args.out, params=parse_params(args.param), dtype=args.dtype,
+        retentions=tuple(float(r) for r in args.retentions.split(",")),
+        frames=args.frames,
+        repeats=args.repeats,
+        out_dir=args.out,
+        params=parse_params(args.param),
+        dtype=args.dtype,
         console=console,
     )
     return 0
@@ -92,8 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     methods = sub.add_parser("methods", help="list installed methods")
     methods.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
-    run = sub.add_parser("run", help="answer a question about a video with and without compression "
-                                     "(no arguments: offline demo)")
+    run = sub.add_parser(
+        "run", help="answer a question about a video with and without compression (no arguments: offline demo)"
+    )
     run.add_argument("--model", help="HF model id or local path (default: offline random-weight demo model)")
     run.add_argument("--video", help="video file (default with the demo: a generated clip)")
     run.add_argument("--question", help="question about the video")
@@ -116,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--size", default="bench", help="random model size: tiny, demo, bench (default bench)")
     bench.add_argument("--methods", default="random,fastv,framefusion", help="comma-separated method specs")
     bench.add_argument("--retentions", default="0.5,0.3,0.15", help="comma-separated retentions")
-    bench.add_argument("--frames", type=int, default=16)
+    bench.add_argument("--frames", type=int, default=48, help="frames sampled (default 48: ~3.5k visual tokens)")
     bench.add_argument("--repeats", type=int, default=2, help="measurements per configuration (best is kept)")
     bench.add_argument("--param", action="append", metavar="NAME=VALUE")
     bench.add_argument("--dtype", default="float32")

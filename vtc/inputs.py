@@ -34,8 +34,9 @@ class SampledVideo:
         }
 
 
-def sample_frames(video, question: str | None, pipeline=None, num_frames: int | None = None,
-                  fps: float | None = None) -> SampledVideo:
+def sample_frames(
+    video, question: str | None, pipeline=None, num_frames: int | None = None, fps: float | None = None
+) -> SampledVideo:
     """Run the pipeline's `sample` stage (uniform over the whole video when it has none)."""
     source = VideoSource.open(video, fps=fps)
     ctx = Context(question=question, extra={"num_frames": num_frames})

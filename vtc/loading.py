@@ -33,8 +33,14 @@ def load_model(name_or_path: str, dtype: str = "auto", device: str = "auto") -> 
 def _dtype(name: str):
     if name == "auto":
         return "auto"
-    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16}
+    table = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+    }
     if name not in table:
         raise ValueError(f"unknown dtype {name!r}; choose auto, float32, bfloat16 or float16")
     return table[name]

@@ -114,7 +114,9 @@ class ModelPatch:
             # models derive decode positions from the mask; give them one of the original (uncompressed) length
             if input_ids is not None:
                 total = mapping.original_length + mapping.tokens_after + input_ids.shape[1]
-                kwargs["attention_mask"] = torch.ones(input_ids.shape[0], total, dtype=torch.long, device=input_ids.device)
+                kwargs["attention_mask"] = torch.ones(
+                    input_ids.shape[0], total, dtype=torch.long, device=input_ids.device
+                )
                 return args, kwargs
         return None
 
@@ -234,7 +236,9 @@ class ModelPatch:
             return position_ids
         return position_ids.expand(bsz, -1)[None]
 
-    def _video_tokens(self, span: VideoSpan, embeds: Tensor, positions: Tensor, deepstack: Tensor | None) -> VideoTokens:
+    def _video_tokens(
+        self, span: VideoSpan, embeds: Tensor, positions: Tensor, deepstack: Tensor | None
+    ) -> VideoTokens:
         idx = span.seq_index.to(embeds.device)
         frame, row, col = span.frame_row_col()
         pos = positions[:, span.batch, idx.to(positions.device)]

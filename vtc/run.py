@@ -28,7 +28,7 @@ def _generate(model, inputs, max_new_tokens: int) -> tuple[torch.Tensor, float, 
         prefill = timer.first
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False) if max_new_tokens > 1 else first
-    return out[:, inputs["input_ids"].shape[1]:], prefill, ttft
+    return out[:, inputs["input_ids"].shape[1] :], prefill, ttft
 
 
 def run(

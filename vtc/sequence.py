@@ -131,7 +131,9 @@ def identity_layout(attention_mask: Tensor, spans: list[VideoSpan]) -> TokenLayo
     """Layout of an unchanged sequence (no connect-stage rewrite), for the prefill runtime."""
     bsz, length = attention_mask.shape
     device = attention_mask.device
-    fields = {name: torch.full((bsz, length), -1, dtype=torch.long, device=device) for name in ("frame", "patch", "video")}
+    fields = {
+        name: torch.full((bsz, length), -1, dtype=torch.long, device=device) for name in ("frame", "patch", "video")
+    }
     visual = torch.zeros(bsz, length, dtype=torch.bool, device=device)
     per_row: dict[int, int] = {}
     for span in spans:

@@ -4,10 +4,9 @@ with (the same model's decoder layers running the same token counts with no comp
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
+from typing import Callable
 
-import psutil
 import torch
 
 from vtc.adapters import resolve_adapter
@@ -54,48 +53,53 @@ class LLMTimer:
         return self.durations[0] if self.durations else float("nan")
 
 
-class PeakMemory:
-    """Peak memory while a block runs: CUDA allocator peak on GPU, else sampled process RSS above the level
-    at entry (CPU allocators keep freed memory, so this is an upper bound on the block's own use)."""
+def peak_memory_mb(fn: Callable[[], object]) -> float:
+    """Peak tensor memory (MB above the level at entry) while `fn()` runs.
 
-    def __init__(self, interval: float = 0.005) -> None:
-        self.interval = interval
-        self.peak_bytes = 0
-        self._stop = threading.Event()
+    On CUDA: the caching allocator's peak. On CPU: the allocation/free stream recorded by the PyTorch
+    profiler (`profile_memory=True`), summed in time order; process RSS would hide most of it because the
+    CPU allocator keeps freed pages. The profiler slows the run, so call this in a separate, untimed pass.
+    """
+    if torch.cuda.is_available():
+        synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fn()
+        synchronize()
+        return (torch.cuda.max_memory_allocated() - base) / 2**20
+    from torch.profiler import ProfilerActivity, profile
 
-    def __enter__(self) -> "PeakMemory":
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
-            self._base = torch.cuda.memory_allocated()
-            return self
-        self._process = psutil.Process()
-        self._base = self._process.memory_info().rss
-        self._max = self._base
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self) -> None:
-        while not self._stop.is_set():
-            self._max = max(self._max, self._process.memory_info().rss)
-            time.sleep(self.interval)
-
-    def __exit__(self, *exc) -> None:
-        if torch.cuda.is_available():
-            self.peak_bytes = torch.cuda.max_memory_allocated() - self._base
-            return
-        self._stop.set()
-        self._thread.join()
-        self._max = max(self._max, self._process.memory_info().rss)
-        self.peak_bytes = self._max - self._base
-
-    @property
-    def peak_mb(self) -> float:
-        return self.peak_bytes / 2**20
+    with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.events() if e.self_cpu_memory_usage), key=lambda e: e.time_range.start)
+    current = peak = 0
+    for event in events:
+        current += event.self_cpu_memory_usage
+        peak = max(peak, current)
+    return peak / 2**20
 
 
-def plain_prefill_seconds(model: torch.nn.Module, text_tokens: int, layer_visual: list[int], repeats: int = 1,
-                          seed: int = 0) -> float:
+@contextlib.contextmanager
+def _quiet_stderr():
+    """Silence the profiler's C++ log lines (they go straight to file descriptor 2)."""
+    import os
+    import sys
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+def plain_prefill_seconds(
+    model: torch.nn.Module, text_tokens: int, layer_visual: list[int], repeats: int = 1, seed: int = 0
+) -> float:
     """Best-of-`repeats` time for the model's decoder layers to prefill `text_tokens + layer_visual[i]` tokens
     at layer i, with no compression logic: random hidden states, plain causal SDPA, the sequence simply
     shorter from the layer where the count drops. This is the speed a method with that token schedule could
@@ -122,8 +126,9 @@ def plain_prefill_seconds(model: torch.nn.Module, text_tokens: int, layer_visual
             for i, layer in enumerate(layers):
                 n = text_tokens + layer_visual[i]
                 hidden = hidden[:, :n]
-                hidden = layer(hidden, attention_mask=None, position_embeddings=(cos[:, :n], sin[:, :n]),
-                               position_ids=None)
+                hidden = layer(
+                    hidden, attention_mask=None, position_embeddings=(cos[:, :n], sin[:, :n]), position_ids=None
+                )
             text.norm(hidden)
             synchronize()
             best = min(best, time.perf_counter() - start)

@@ -40,8 +40,9 @@ class VideoSource:
         return self.num_frames / self.fps if self.fps else 0.0
 
     @classmethod
-    def open(cls, video: "str | os.PathLike | np.ndarray | VideoSource", fps: float | None = None,
-             backend: str | None = None) -> "VideoSource":
+    def open(
+        cls, video: "str | os.PathLike | np.ndarray | VideoSource", fps: float | None = None, backend: str | None = None
+    ) -> "VideoSource":
         """Wrap a path, a [T, H, W, 3] uint8 array (with its `fps`, default 1.0) or an existing source."""
         if isinstance(video, VideoSource):
             return video

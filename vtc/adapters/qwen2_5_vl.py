@@ -6,8 +6,6 @@ scattered them into the prompt, i.e. after the reorder, so nothing here depends 
 
 from __future__ import annotations
 
-import torch
-
 from vtc.adapters.base import CapturedInputs, VideoSpan
 from vtc.adapters.qwen2_vl import Qwen2VLAdapter
 

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-
 import torch
 
 from vtc.adapters.base import Adapter, CapturedInputs, VideoSpan, contiguous_spans, runs
 
 
-def qwen_grids(captured: CapturedInputs, merge: int, segments: list[list[tuple[int, int, int]]] | None = None
-               ) -> list[tuple[int, int, int]]:
+def qwen_grids(
+    captured: CapturedInputs, merge: int, segments: list[list[tuple[int, int, int]]] | None = None
+) -> list[tuple[int, int, int]]:
     """Token grid (T, H, W) of every video.
 
     From `video_grid_thw` when the forward got it; `generate` (transformers >= 5.18) encodes the media
@@ -75,4 +75,3 @@ class Qwen2VLAdapter(Adapter):
 
     def _add_timestamps(self, spans: list[VideoSpan], captured: CapturedInputs) -> None:
         """Qwen2-VL inputs carry no timing; Qwen2.5-VL overrides this."""
-

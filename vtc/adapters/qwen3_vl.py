@@ -4,7 +4,6 @@ the first LLM layers and must follow the tokens (`visual_pos_masks`, `deepstack_
 
 from __future__ import annotations
 
-
 import torch
 
 from vtc.adapters.base import Adapter, CapturedInputs, VideoSpan, runs
@@ -64,4 +63,3 @@ class Qwen3VLAdapter(Adapter):
         if video != len(grids):
             raise ValueError(f"qwen3_vl: {len(grids)} videos were passed but {video} were found in the prompt")
         return spans
-

@@ -285,8 +285,9 @@ class LLMRuntime:
         h_idx = idx.to(self.hidden.device)
         self.hidden = torch.gather(self.hidden, 1, h_idx[..., None].expand(-1, -1, self.hidden.shape[-1]))
         self.side = {
-            name: torch.gather(t, 1, idx.to(t.device).view(*idx.shape, *([1] * (t.dim() - 2))).expand(
-                *idx.shape, *t.shape[2:]))
+            name: torch.gather(
+                t, 1, idx.to(t.device).view(*idx.shape, *([1] * (t.dim() - 2))).expand(*idx.shape, *t.shape[2:])
+            )
             for name, t in self.side.items()
         }
         self.altered = True
