@@ -73,7 +73,11 @@ def frames_per_video(captured: CapturedInputs, tokens_per_frame: int, trailing_s
     encoded = (captured.kwargs.get("mm_encoder_outputs") or {}).get("video")
     if encoded is None:
         raise ValueError("the prompt has video tokens but the model got no pixel_values_videos or mm_encoder_outputs")
-    return [(int(x.shape[0]) - trailing_specials) // tokens_per_frame for x in encoded.pooler_output]
+    # per video: [frames, tokens, D] (LLaVA-NeXT-Video in transformers < 5.2x) or [tokens, D]
+    return [
+        int(x.shape[0]) if x.dim() == 3 else (int(x.shape[0]) - trailing_specials) // tokens_per_frame
+        for x in encoded.pooler_output
+    ]
 
 
 def contiguous_spans(
