@@ -207,3 +207,43 @@ def test_method_not_supporting_family(monkeypatch):
     model, _ = model_and_processor("llava_onevision")
     with pytest.raises(ValueError, match=r"method 'random' does not support llava_onevision; it supports qwen2_vl"):
         vtc.patch(model, "random")
+
+
+def test_third_party_plugin_from_entry_point(tmp_path, monkeypatch):
+    """A package exposing a module in the `vtc` entry-point group shows up in the registry."""
+    package = tmp_path / "vtc_thirdparty_demo.py"
+    package.write_text(
+        "import dataclasses\n"
+        "from vtc import MethodInfo, hookimpl\n"
+        "@dataclasses.dataclass\n"
+        "class P:\n"
+        "    pass\n"
+        "class Keep:\n"
+        "    def __init__(self, params, retention):\n"
+        "        pass\n"
+        "    @hookimpl\n"
+        "    def vtc_connect(self, tokens, ctx):\n"
+        "        return tokens\n"
+        "@hookimpl\n"
+        "def vtc_register_methods(registry):\n"
+        "    registry.add(MethodInfo(name='thirdparty', factory=Keep, params=P, stages=('connect',), paper='x'))\n"
+    )
+    dist = tmp_path / "vtc_thirdparty_demo-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: vtc-thirdparty-demo\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[vtc]\nthirdparty = vtc_thirdparty_demo\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("VTC_DISABLE_PLUGIN_AUTOLOAD", raising=False)
+    from vtc.registry import registry
+
+    registry.cache_clear()
+    try:
+        names = registry().names()
+        assert "thirdparty" in names and "fastv" in names
+        model, _ = model_and_processor("qwen2_vl")
+        with vtc.patch(model, "thirdparty") as handle:
+            logits(model, single_inputs("qwen2_vl"))
+            assert handle.stats().visual_tokens_out == handle.stats().visual_tokens_in
+    finally:
+        monkeypatch.setenv("VTC_DISABLE_PLUGIN_AUTOLOAD", "1")
+        registry.cache_clear()

@@ -256,6 +256,8 @@ def plot(report: dict[str, Any], path: str) -> None:
     axes[0].set(xlabel="retention", ylabel="prefill speedup (x)", title="speedup vs no compression")
     axes[1].set(xlabel="retention", ylabel="limit time / method time", title="efficiency (1 = no overhead)")
     axes[1].axhline(0.95, color="grey", linestyle="--", linewidth=0.8)
+    efficiencies = [r["efficiency"] for r in report["results"]]
+    axes[1].set_ylim(min(0.8, min(efficiencies) - 0.05), max(1.1, max(efficiencies) + 0.05))
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend()

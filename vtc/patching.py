@@ -129,7 +129,7 @@ class ModelPatch:
             return self._continue_prompt(args, kwargs, embeds)
         self.mapping = None
         if self.runtime is not None:
-            self.runtime.layer_key_valid = {}
+            self.runtime.reset()  # also recovers from a forward that raised half-way
         if captured is None or captured.input_ids is None or not self.adapter.has_video(captured):
             note = "" if captured is None or captured.input_ids is not None else "(called with inputs_embeds only)"
             self.recorder.begin(False, batch_size=embeds.shape[0], note=note)
@@ -180,11 +180,13 @@ class ModelPatch:
             sequence_in=length,
         )
         outputs = []
+        changed = False
         for span in spans:
             tokens = self._video_tokens(span, embeds, positions, deepstack)
             ctx = self._context(span, captured, mask)
-            outputs.append(self.pipeline.run_connect(tokens, ctx, self.recorder))
-        changed = any(out.log for out in outputs)
+            out = self.pipeline.run_connect(tokens, ctx, self.recorder)
+            changed |= out is not tokens  # plugins return their input untouched when they keep everything
+            outputs.append(out)
         stats.llm_tokens_in = sum(len(o) for o in outputs)
         stats.visual_tokens_out = stats.llm_tokens_in
 

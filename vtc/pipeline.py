@@ -90,6 +90,13 @@ class Pipeline:
         self.spec = "+".join(names)
         self.retention = validate_retention(retention)
         self._check_conflicts(infos)
+        encoders = [info.name for info in infos if "encode" in info.stages]
+        if encoders:
+            # the hook exists for third-party plugins to target, but no adapter calls it yet
+            raise ValueError(
+                f"method(s) {', '.join(encoders)} act in the encode stage, which this vtc version does not run "
+                "yet; supported stages: sample, connect, prefill"
+            )
 
         routed = _route_params(infos, params or {})
         reducers = [info for info in infos if info.reduces_tokens]
@@ -184,8 +191,9 @@ class Pipeline:
             seconds = time.perf_counter() - start
             if not isinstance(out, VideoTokens):
                 raise TypeError(f"plugin {e.info.name!r}: vtc_connect must return VideoTokens, got {type(out)}")
-            out.validate()
-            out.log.append((e.info.name, n_in, len(out)))
+            if out is not tokens:
+                out.validate()
+                out.log.append((e.info.name, n_in, len(out)))
             if recorder is not None:
                 recorder.record("connect", e.info.name, n_in, len(out), seconds)
             tokens = out

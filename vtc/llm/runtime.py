@@ -210,11 +210,15 @@ class LLMRuntime:
         self._mid_short: Tensor | None = None
         self._layer_out: Tensor | None = None
 
+    def reset(self) -> None:
+        """Forget the previous prompt (a new prefill starts)."""
+        self._reset_prefill()
+        self.layer_key_valid = {}
+
     def begin_prefill(
         self, layout: TokenLayout, grids: list[list[tuple[int, int, int]]], side: dict[str, Tensor] | None = None
     ) -> None:
-        self._reset_prefill()
-        self.layer_key_valid = {}
+        self.reset()
         self.active = True
         self.layout = layout
         self.grids = grids
