@@ -115,6 +115,18 @@ class _Stop(Exception):
     pass
 
 
+def start(model, inputs, new_tokens=None):
+    """Everything a reference run starts from: the runner, the (extended) inputs, the LLM inputs, the
+    embeddings, RoPE (cos, sin) of the whole sequence and the mask of compressible video tokens."""
+    ref = ManualLLM(model)
+    if new_tokens is not None:
+        inputs = extend_inputs(inputs, new_tokens)
+    x = ref.llm_inputs(inputs)
+    hidden = x["inputs_embeds"]
+    cos, sin = ref.rope(hidden, x.get("position_ids"))
+    return ref, inputs, x, hidden, cos, sin, compressible_video_mask(model, inputs["input_ids"])
+
+
 def compressible_video_mask(model, input_ids: torch.Tensor) -> torch.Tensor:
     """[L] video tokens the methods may touch (LLaVA-OneVision's trailing newline excluded)."""
     adapter = resolve_adapter(model)

@@ -9,7 +9,7 @@ from vtc_plugins.fastv import FastVParams, fastv_keep, kept_count
 
 import vtc
 from tests.conftest import FAMILIES, model_and_processor, single_inputs
-from tests.reference import CAPTURED, ManualLLM, compressible_video_mask, extend_inputs, last_rows_attention
+from tests.reference import CAPTURED, compressible_video_mask, last_rows_attention, start
 
 
 def test_keeps_the_top_attended_visual_tokens():
@@ -41,14 +41,8 @@ def test_defaults_and_retention_mapping():
 def fastv_reference(model, inputs, k: int, ratio: float, new_tokens=None, keep=None):
     """Official FastV, batch 1: layers < k on everything; at layer k keep the top round(N (1 - R)) visual
     tokens by the head-mean attention of the last prompt token at layer k - 1 (eager softmax)."""
-    ref = ManualLLM(model)
     prompt_len = inputs["input_ids"].shape[1]
-    if new_tokens is not None:
-        inputs = extend_inputs(inputs, new_tokens)
-    x = ref.llm_inputs(inputs)
-    hidden = x["inputs_embeds"]
-    cos, sin = ref.rope(hidden, x.get("position_ids"))
-    visual = compressible_video_mask(model, inputs["input_ids"])
+    ref, inputs, x, hidden, cos, sin, visual = start(model, inputs, new_tokens)
     with ref.capturing(), torch.no_grad():
         for i in range(len(ref.layers)):
             if i == k:

@@ -10,7 +10,7 @@ from vtc_plugins.framefusion import DEFAULT_SIMILARITY, FrameFusionParams, merge
 
 import vtc
 from tests.conftest import model_and_processor, single_inputs
-from tests.reference import CAPTURED, ManualLLM, compressible_video_mask, extend_inputs, last_rows_attention
+from tests.reference import CAPTURED, last_rows_attention, start
 
 
 def test_cost_schedule_worked_example():
@@ -137,17 +137,11 @@ class OfficialStyleFrameFusion:
         return hidden, keep
 
 
-def framefusion_reference(model, inputs, cost, new_tokens=None, state=None):
+def framefusion_reference(model, inputs, cost, new_tokens=None):
     """Official layer hooks: merge before layer 0's attention; after each layer's attention first prune
     (when merging finished), else merge; attention probabilities of the last `num` prompt rows."""
     adapter = vtc.api.resolve_adapter(model)
-    ref = ManualLLM(model)
-    if new_tokens is not None:
-        inputs = extend_inputs(inputs, new_tokens)
-    x = ref.llm_inputs(inputs)
-    hidden = x["inputs_embeds"]
-    cos, sin = ref.rope(hidden, x.get("position_ids"))
-    visual = compressible_video_mask(model, inputs["input_ids"])
+    ref, inputs, x, hidden, cos, sin, visual = start(model, inputs, new_tokens)
     stats = vtc.patch(model, "random", retention=1.0)
     with torch.no_grad():
         model(**inputs)
