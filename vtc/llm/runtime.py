@@ -247,8 +247,8 @@ class LLMRuntime:
         forced = layout.valid & ~layout.visual
         if bool((forced & ~mask).any()):
             raise RuntimeError("a prefill plugin tried to drop a non-visual token; only visual tokens can be dropped")
-        if bool(mask.all()):
-            return
+        if bool((mask == layout.valid).all()):
+            return  # nothing dropped (padding slots are never "kept")
         counts = mask.sum(1)
         n_new = int(counts.max())
         # kept slots first, in their original order
