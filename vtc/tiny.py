@@ -78,7 +78,7 @@ class TinySize:
     heads: int = 4
     kv_heads: int = 2
     intermediate: int = 256
-    vocab: int = 512
+    vocab: int = 512  # BPE vocabulary to train (the few training sentences may yield fewer tokens)
 
 
 SIZES = {
@@ -126,7 +126,7 @@ def build_tokenizer(family: str, vocab_size: int = 512):
 
 def _text_config(size: TinySize, tokenizer, **extra) -> dict[str, Any]:
     return dict(
-        vocab_size=max(size.vocab, len(tokenizer)),
+        vocab_size=len(tokenizer),  # every id the model can emit decodes to text
         hidden_size=size.hidden,
         intermediate_size=size.intermediate,
         num_hidden_layers=size.layers,
