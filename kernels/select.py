@@ -29,3 +29,21 @@ def topk_mask(scores: Tensor, k: int, candidates: Tensor | None = None, largest:
 def gather_tokens(keep: Tensor, embeds: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
     """Keep tokens `keep` of embeds [n, D] together with positions [..., n] (1-D or 3-D M-RoPE)."""
     return embeds[keep], positions[..., keep]
+
+
+def reconcile_count(keep: Tensor, scores: Tensor, target: int) -> Tensor:
+    """Make a keep mask hold exactly `target` entries: drop the lowest-scored kept entries, or add the
+    highest-scored dropped ones. This is how every fixed-count mode turns an adaptive selection into the
+    count promised by `retained_count` (the serving contract)."""
+    keep = keep.clone()
+    count = int(keep.sum())
+    target = max(0, min(int(target), keep.numel()))
+    if count > target:
+        kept = torch.nonzero(keep).flatten()
+        drop = kept[torch.topk(scores[kept].float(), count - target, largest=False).indices]
+        keep[drop] = False
+    elif count < target:
+        dropped = torch.nonzero(~keep).flatten()
+        add = dropped[torch.topk(scores[dropped].float(), target - count).indices]
+        keep[add] = True
+    return keep

@@ -138,3 +138,74 @@ def test_topk_selection():
     positions = torch.arange(15).view(3, 5)
     e, p = gather_tokens(torch.tensor([1, 3]), embeds, positions)
     assert e.tolist() == [[2.0, 3.0], [6.0, 7.0]] and p.tolist() == [[1, 3], [6, 8], [11, 13]]
+
+
+def test_dpc_knn_matches_loops():
+    from vtc_kernels import assign_to_centers, dpc_knn_centers, dpc_knn_scores
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(15, 6, generator=g, dtype=torch.float64)
+    score, dist = dpc_knn_scores(x, k=3, generator=torch.Generator().manual_seed(0))
+    noise = torch.rand(15, generator=torch.Generator().manual_seed(0), dtype=torch.float32) * 1e-6
+    n = x.shape[0]
+    d = [[math.dist(x[i].tolist(), x[j].tolist()) / math.sqrt(6) for j in range(n)] for i in range(n)]
+    density = []
+    for i in range(n):
+        nearest = sorted(d[i])[:3]  # itself (0) included, as in the official code
+        density.append(math.exp(-sum(v * v for v in nearest) / 3) + noise[i].item())
+    dmax = max(max(row) for row in d)
+    for i in range(n):
+        higher = [d[i][j] for j in range(n) if density[j] > density[i]]
+        delta = min(higher) if higher else dmax
+        assert score[i].item() == pytest.approx(delta * density[i], rel=1e-5)
+    centers, _ = dpc_knn_centers(x, 4, k=3, generator=torch.Generator().manual_seed(0))
+    assert centers.tolist() == torch.topk(score, 4).indices.tolist()
+    labels = assign_to_centers(dist, centers)
+    for i in range(n):
+        expected = min(range(4), key=lambda c: d[i][centers[c]])
+        assert labels[i].item() == expected
+    assert [labels[c].item() for c in centers] == [0, 1, 2, 3]
+
+
+def test_sinkhorn_matches_loop_and_marginals():
+    from vtc_kernels import sinkhorn
+
+    g = torch.Generator().manual_seed(5)
+    cost = torch.rand(7, 4, generator=g, dtype=torch.float64)
+    plan = sinkhorn(cost, epsilon=0.1, max_iter=100, tol=1e-2)
+    K = [[math.exp(-cost[i, j].item() / 0.1) for j in range(4)] for i in range(7)]
+    r, c = [1.0] * 7, [1.0] * 4
+    for _ in range(100):
+        r0 = r
+        r = [(1 / 7) / sum(K[i][j] * c[j] for j in range(4)) for i in range(7)]
+        c = [(1 / 4) / sum(K[i][j] * r[i] for i in range(7)) for j in range(4)]
+        if sum(abs(a - b) for a, b in zip(r, r0)) / 7 < 1e-2:
+            break
+    for i in range(7):
+        for j in range(4):
+            assert plan[i, j].item() == pytest.approx(r[i] * K[i][j] * c[j], rel=1e-9)
+    # columns match the target mass exactly after the last c-update; rows approximately (loop stopped on r)
+    torch.testing.assert_close(plan.sum(0), torch.full((4,), 0.25, dtype=torch.float64))
+    assert plan.sum() == pytest.approx(1.0)
+
+
+def test_bipartite_soft_matching():
+    from vtc_kernels import bipartite_soft_matching
+
+    metric = torch.tensor([[1.0, 0.0], [1.0, 0.01], [0.0, 1.0], [0.01, 1.0], [1.0, 1.0], [-1.0, 0.2]])
+    src, dst, kept = bipartite_soft_matching(metric, r=2)
+    # A = tokens 0, 2, 4; B = 1, 3, 5: 0 -> 1 and 2 -> 3 are near-identical pairs
+    assert sorted(zip(src.tolist(), dst.tolist())) == [(0, 1), (2, 3)]
+    assert kept.tolist() == [4]
+    src, _, kept = bipartite_soft_matching(metric, r=2, protected=1)
+    assert 0 not in src.tolist() and 0 in kept.tolist()
+
+
+def test_reconcile_count():
+    from vtc_kernels import reconcile_count
+
+    scores = torch.tensor([0.5, 0.1, 0.9, 0.3, 0.7])
+    keep = torch.tensor([True, True, True, False, False])
+    assert reconcile_count(keep, scores, 2).tolist() == [True, False, True, False, False]
+    assert reconcile_count(keep, scores, 4).tolist() == [True, True, True, False, True]
+    assert reconcile_count(keep, scores, 3).tolist() == keep.tolist()

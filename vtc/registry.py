@@ -18,12 +18,13 @@ from vtc import hookspecs
 # Model families an adapter exists for; a method lists the subset it supports.
 ALL_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava_onevision", "llava_next_video")
 
-BUILTIN_PLUGIN_MODULES = (
-    "vtc_plugins.uniform",
-    "vtc_plugins.random_prune",
-    "vtc_plugins.fastv",
-    "vtc_plugins.framefusion",
-)
+def builtin_plugin_modules() -> list[str]:
+    """Every module of the `vtc_plugins` package is a built-in method (drop a file in `plugins/` to add one)."""
+    import pkgutil
+
+    import vtc_plugins
+
+    return sorted(f"vtc_plugins.{m.name}" for m in pkgutil.iter_modules(vtc_plugins.__path__) if not m.ispkg)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +101,7 @@ def make_plugin_manager() -> pluggy.PluginManager:
 def registry() -> Registry:
     """The process-wide method registry (built on first use, never at import time)."""
     pm = make_plugin_manager()
-    for module_name in BUILTIN_PLUGIN_MODULES:
+    for module_name in builtin_plugin_modules():
         pm.register(importlib.import_module(module_name), name=module_name)
     if not os.environ.get("VTC_DISABLE_PLUGIN_AUTOLOAD"):
         pm.load_setuptools_entrypoints("vtc")
