@@ -28,8 +28,9 @@ def dpc_knn_scores(x: Tensor, k: int, generator: torch.Generator | None = None) 
     return delta * density, dist
 
 
-def dpc_knn_centers(x: Tensor, num_clusters: int, k: int, generator: torch.Generator | None = None
-                    ) -> tuple[Tensor, Tensor]:
+def dpc_knn_centers(
+    x: Tensor, num_clusters: int, k: int, generator: torch.Generator | None = None
+) -> tuple[Tensor, Tensor]:
     """Indices of the `num_clusters` highest density-peak scores (score order) and the distance matrix."""
     score, dist = dpc_knn_scores(x, k, generator)
     return torch.topk(score, min(int(num_clusters), x.shape[0])).indices, dist

@@ -7,8 +7,14 @@ import torch
 Tensor = torch.Tensor
 
 
-def sinkhorn(cost: Tensor, epsilon: float = 0.1, max_iter: int = 100, tol: float = 1e-2,
-             source_mass: Tensor | None = None, target_mass: Tensor | None = None) -> Tensor:
+def sinkhorn(
+    cost: Tensor,
+    epsilon: float = 0.1,
+    max_iter: int = 100,
+    tol: float = 1e-2,
+    source_mass: Tensor | None = None,
+    target_mass: Tensor | None = None,
+) -> Tensor:
     """Transport plan T [M, N] for cost [M, N] between uniform (or given) marginals.
 
     K = exp(-cost / epsilon); starting from r = c = 1, repeat r = u / (K c), c = v / (K^T r) until the mean
@@ -17,10 +23,16 @@ def sinkhorn(cost: Tensor, epsilon: float = 0.1, max_iter: int = 100, tol: float
     the cost's dtype, like the official code.
     """
     m, n = cost.shape[-2:]
-    u = source_mass if source_mass is not None else torch.full(cost.shape[:-1], 1.0 / m, dtype=cost.dtype,
-                                                                 device=cost.device)
-    v = target_mass if target_mass is not None else torch.full(cost.shape[:-2] + (n,), 1.0 / n, dtype=cost.dtype,
-                                                                 device=cost.device)
+    u = (
+        source_mass
+        if source_mass is not None
+        else torch.full(cost.shape[:-1], 1.0 / m, dtype=cost.dtype, device=cost.device)
+    )
+    v = (
+        target_mass
+        if target_mass is not None
+        else torch.full(cost.shape[:-2] + (n,), 1.0 / n, dtype=cost.dtype, device=cost.device)
+    )
     kernel = torch.exp(-cost / epsilon)
     r = torch.ones_like(u)
     c = torch.ones_like(v)

@@ -89,10 +89,13 @@ class ManualLLM:
             position_ids = torch.arange(embeds.shape[1])[None]
         return self.text.rotary_emb(embeds, position_ids)
 
-    def attention_block(self, i, hidden, cos, sin):
+    def attention_block(self, i, hidden, cos, sin, mask=None):
+        """h + Attn(LN(h)); `mask` [L, L] bool (True = may attend), default causal."""
         layer = self.layers[i]
         out, _ = layer.self_attn(
-            hidden_states=layer.input_layernorm(hidden), attention_mask=None, position_embeddings=(cos, sin)
+            hidden_states=layer.input_layernorm(hidden),
+            attention_mask=None if mask is None else mask[None, None],
+            position_embeddings=(cos, sin),
         )
         return hidden + out
 

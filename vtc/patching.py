@@ -24,6 +24,7 @@ from vtc.pipeline import Pipeline
 from vtc.sequence import deepstack_per_token, identity_layout, rebuild
 from vtc.stats import StatsRecorder
 from vtc.tokens import Context, VideoTokens
+from vtc.vision import VisionCapture
 
 Tensor = torch.Tensor
 
@@ -71,6 +72,8 @@ class ModelPatch:
         self.seed = seed
         self.tokenizer = tokenizer
         self.runtime: LLMRuntime | None = None
+        self.vision: VisionCapture | None = None
+        self.prepool = None
         self.mapping: PromptMapping | None = None
         self.prepared_questions: dict[tuple[int, ...], str] = {}
         self._captured: CapturedInputs | None = None
@@ -81,6 +84,16 @@ class ModelPatch:
     # --- install / remove -------------------------------------------------------------------------------------
     def install(self) -> None:
         adapter = self.adapter
+        stats = set()
+        for entry in self.pipeline.stage_entries("connect"):
+            stats.update(getattr(entry.plugin, "vision_stats", lambda family: [])(adapter.family))
+        if stats:
+            self.vision = VisionCapture(adapter, stats)
+            self.vision.install()
+        if any(getattr(e.plugin, "needs_prepool", False) for e in self.pipeline.stage_entries("connect")):
+            self.prepool = adapter.prepool_capture()
+            if self.prepool is not None:
+                self.prepool.install()
         self._handles.append(adapter.outer.register_forward_pre_hook(self._outer_pre_hook, with_kwargs=True))
         self._handles.append(adapter.text_model.register_forward_pre_hook(self._llm_pre_hook, with_kwargs=True))
         self._handles.append(adapter.text_model.register_forward_hook(self._llm_post_hook, with_kwargs=True))
@@ -91,6 +104,9 @@ class ModelPatch:
                 self._call_prefill_plugins,
                 adapter.family,
                 deepstack=adapter.deepstack,
+                decode_plugins=any(
+                    getattr(e.plugin, "acts_during_decode", False) for e in self.pipeline.stage_entries("prefill")
+                ),
             )
             self.runtime.install()
 
@@ -101,6 +117,12 @@ class ModelPatch:
         if self.runtime is not None:
             self.runtime.remove()
             self.runtime = None
+        if self.vision is not None:
+            self.vision.remove()
+            self.vision = None
+        if self.prepool is not None:
+            self.prepool.remove()
+            self.prepool = None
         self.mapping = None
         self._captured = None
 
@@ -179,11 +201,16 @@ class ModelPatch:
             visual_tokens_in=sum(s.num_tokens for s in spans),
             sequence_in=length,
         )
+        vision = self.vision.video_stats(spans) if self.vision is not None else [{} for _ in spans]
+        prepool = self.prepool.per_video([s.grid[0] for s in spans]) if self.prepool is not None else None
         outputs = []
         changed = False
-        for span in spans:
+        for k, span in enumerate(spans):
             tokens = self._video_tokens(span, embeds, positions, deepstack)
             ctx = self._context(span, captured, mask)
+            ctx.vision = vision[k]
+            if prepool is not None:
+                ctx.prepool, ctx.pool = prepool[k], self.prepool.pool
             out = self.pipeline.run_connect(tokens, ctx, self.recorder)
             changed |= out is not tokens  # plugins return their input untouched when they keep everything
             outputs.append(out)

@@ -18,6 +18,7 @@ from vtc import hookspecs
 # Model families an adapter exists for; a method lists the subset it supports.
 ALL_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava_onevision", "llava_next_video")
 
+
 def builtin_plugin_modules() -> list[str]:
     """Every module of the `vtc_plugins` package is a built-in method (drop a file in `plugins/` to add one)."""
     import pkgutil

@@ -68,6 +68,8 @@ def rebuild(
         frame = [torch.full((n_text,), -1, device=device)]
         patch = [torch.full((n_text,), -1, device=device)]
         video = [torch.full((n_text,), -1, device=device)]
+        tag_names = sorted({name for _, tokens in row_spans for name in tokens.tags})
+        tag_parts = {name: [torch.full((n_text,), -1, device=device)] for name in tag_names}
         ds_parts = [deepstack[b, text_idx]] if deepstack is not None else []
         ds_mask_parts = [deepstack_mask[b, text_idx].to(device)] if deepstack_mask is not None else []
         for k, (span, tokens) in enumerate(row_spans):
@@ -80,6 +82,9 @@ def rebuild(
             frame.append(tokens.frame.to(device))
             patch.append((tokens.row * span.grid[2] + tokens.col).to(device))
             video.append(torch.full((n,), k, device=device))
+            for name in tag_names:
+                tag = tokens.tags.get(name)
+                tag_parts[name].append(tag.to(device) if tag is not None else torch.full((n,), -1, device=device))
             if deepstack is not None:
                 ds_parts.append(tokens.extras["deepstack"].to(deepstack.device, deepstack.dtype))
                 ds_mask_parts.append(torch.ones(n, dtype=torch.bool, device=device))
@@ -91,6 +96,7 @@ def rebuild(
             "frame": torch.cat(frame)[order],
             "patch": torch.cat(patch)[order],
             "video": torch.cat(video)[order],
+            "tags": {name: torch.cat(parts)[order] for name, parts in tag_parts.items()},
         }
         if deepstack is not None:
             row["deepstack"] = torch.cat(ds_parts)[order.to(deepstack.device)]
@@ -105,6 +111,9 @@ def rebuild(
         name: torch.full((bsz, length), -1, dtype=torch.long, device=device) for name in ("frame", "patch", "video")
     }
     visual = torch.zeros(bsz, length, dtype=torch.bool, device=device)
+    tags = {
+        name: torch.full((bsz, length), -1, dtype=torch.long, device=device) for row in rows for name in row["tags"]
+    }
     out_ds = deepstack.new_zeros(bsz, length, *deepstack.shape[2:]) if deepstack is not None else None
     out_ds_mask = torch.zeros(bsz, length, dtype=torch.bool, device=device) if deepstack is not None else None
     for b, row in enumerate(rows):
@@ -119,11 +128,13 @@ def rebuild(
         visual[b, sl] = row["visual"]
         for name in layout_fields:
             layout_fields[name][b, sl] = row[name]
+        for name, values in row["tags"].items():
+            tags[name][b, sl] = values
         if out_ds is not None:
             out_ds[b, sl] = row["deepstack"]
             out_ds_mask[b, sl] = row["deepstack_mask"]
     index = torch.arange(length, device=device)[None].expand(bsz, -1).contiguous()
-    layout = TokenLayout(index=index, valid=out_mask.bool(), visual=visual, **layout_fields)
+    layout = TokenLayout(index=index, valid=out_mask.bool(), visual=visual, tags=tags, **layout_fields)
     return RebuiltSequence(out_embeds, out_mask, out_pos, layout, out_ds, out_ds_mask)
 
 

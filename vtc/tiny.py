@@ -306,6 +306,7 @@ def _build_llava_onevision(shape: TinySize, tokenizer):
             num_attention_heads=4,
             image_size=384,
             patch_size=14,
+            vision_use_head=False,  # LLaVA-OneVision drops SigLIP's pooling head
         ),
         image_token_index=ids("<image>"),
         video_token_index=ids("<video>"),

@@ -30,6 +30,8 @@ class VideoTokens:
       grid       (T, H, W) of the original token grid
       timestamps [T]      seconds of each temporal index, when known
       extras     name -> [N, ...] side features that must follow the tokens (merged like embeds)
+      tags       name -> [N] integer labels a later stage needs (e.g. PruneVid's window / static flags);
+                 they travel into the LLM, where `prefill` plugins read them as `state.layout.tags`
       log        what each stage did, as (plugin, tokens_in, tokens_out) tuples
     """
 
@@ -42,6 +44,7 @@ class VideoTokens:
     grid: tuple[int, int, int]
     timestamps: Tensor | None = None
     extras: dict[str, Tensor] = dataclasses.field(default_factory=dict)
+    tags: dict[str, Tensor] = dataclasses.field(default_factory=dict)
     # index of each token's anchor in the adapter's original sequence; adapter-private bookkeeping
     seq_index: Tensor | None = None
     log: list[tuple[str, int, int]] = dataclasses.field(default_factory=list)
@@ -82,6 +85,7 @@ class VideoTokens:
             self,
             positions=self.positions[..., keep],
             extras={name: t[keep] for name, t in self.extras.items()},
+            tags={name: t[keep] for name, t in self.tags.items()},
             log=list(self.log),
             **gathered,
         )
@@ -131,6 +135,7 @@ class VideoTokens:
         lengths = {name: t.shape[0] for name, t in self._per_token().items()}
         lengths["positions"] = self.positions.shape[-1]
         lengths.update({f"extras[{k}]": v.shape[0] for k, v in self.extras.items()})
+        lengths.update({f"tags[{k}]": v.shape[0] for k, v in self.tags.items()})
         bad = {k: v for k, v in lengths.items() if v != n}
         if bad:
             raise RuntimeError(f"VideoTokens fields disagree with embeds ({n} tokens): {bad}")
@@ -138,11 +143,13 @@ class VideoTokens:
 
 @dataclasses.dataclass
 class Context:
-    """What a stage knows besides the tokens: the question, the budget, the model, the stats recorder.
+    """What a stage knows besides the tokens: the question, the budget, the model.
 
     `question` is the text the user asked about this video (the prompt text after the video); the
     `sample` stage gets it from the caller, later stages from the prompt tokens. `question_ids` and the
     lazily computed `question_embeds` come from the prompt as the model tokenised it.
+    `vision` holds the vision-tower attention statistics the plugin asked for (`vtc.vision`), per frame;
+    `prepool` / `pool` the pre-pooling frame features and the model's pooling (`vtc.prepool`, LLaVA only).
     """
 
     retention: float | None = None
@@ -152,6 +159,9 @@ class Context:
     embed_fn: Callable[[Tensor], Tensor] | None = None
     generator: torch.Generator | None = None
     model: Any = None
+    vision: dict[Any, Tensor] = dataclasses.field(default_factory=dict)
+    prepool: Tensor | None = None
+    pool: Callable[[Tensor], Tensor] | None = None
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
     _question_embeds: Tensor | None = None
 

@@ -80,6 +80,37 @@ def frames_per_video(captured: CapturedInputs, tokens_per_frame: int, trailing_s
     ]
 
 
+def encoder_layers(tower: torch.nn.Module) -> list[torch.nn.Module]:
+    """Encoder layers of a SigLIP/CLIP vision tower (with or without the `vision_model` wrapper)."""
+    inner = getattr(tower, "vision_model", tower)
+    return list(inner.encoder.layers)
+
+
+def tower_feature_layer(vision_feature_layer, num_layers: int) -> int:
+    """The encoder layer behind `hidden_states[vision_feature_layer]` (index 0 of hidden_states is the embedding
+    output, so hidden_states[-1] is the last layer, hidden_states[k] the output of layer k - 1)."""
+    layer = vision_feature_layer if isinstance(vision_feature_layer, int) else vision_feature_layer[-1]
+    return num_layers + layer if layer < 0 else layer - 1
+
+
+def llava_vision_stats(adapter, calls, spans, layer_of) -> list[dict]:
+    """LLaVA towers see every frame as one batch item: split each statistic by frames per video."""
+    frames = [span.grid[0] for span in spans]
+    call = next((c for c in reversed(calls) if c["items"] == sum(frames)), None)
+    if call is None:
+        raise RuntimeError("no vision-tower call for these videos was captured (was the vision tower bypassed?)")
+    stacked = {}
+    for stat, layer in layer_of.items():
+        chunks = call["chunks"].get(layer, [])
+        stacked[stat] = torch.cat([c[stat.kind] for c in chunks])
+    out = []
+    start = 0
+    for f in frames:
+        out.append({stat: t[start : start + f] for stat, t in stacked.items()})
+        start += f
+    return out
+
+
 def contiguous_spans(
     input_ids: Tensor,
     video_token_id: int,
@@ -168,6 +199,24 @@ class Adapter:
     def video_spans(self, captured: CapturedInputs) -> list[VideoSpan]:
         """Every video's compressible tokens in the prompt, in order of appearance."""
         raise NotImplementedError
+
+    # --- vision tower (for plugins that read its attention) ----------------------------------------------------
+    def vision_attention_modules(self) -> list[torch.nn.Module]:
+        """The attention module of every encoder layer of the vision tower, in order."""
+        raise NotImplementedError
+
+    def vision_feature_layer(self) -> int:
+        """Index of the encoder layer whose output the model takes as visual features."""
+        raise NotImplementedError
+
+    def vision_stats_per_video(self, calls, spans, layer_of) -> list[dict]:
+        """Turn captured per-call attention statistics into one dict per video (see `vtc.vision`)."""
+        raise NotImplementedError
+
+    # --- pre-pool features (LLaVA families pool 2x2 after the projector) -----------------------------------------
+    def prepool_capture(self):
+        """A `PrepoolCapture` for families that pool frame features before the LLM, else None."""
+        return None
 
     def has_video(self, captured: CapturedInputs) -> bool:
         return captured.input_ids is not None and bool((captured.input_ids == self.video_token_id).any())

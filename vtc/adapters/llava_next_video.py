@@ -5,7 +5,17 @@ from __future__ import annotations
 
 import torch
 
-from vtc.adapters.base import Adapter, CapturedInputs, VideoSpan, contiguous_spans, frames_per_video
+from vtc.adapters.base import (
+    Adapter,
+    CapturedInputs,
+    VideoSpan,
+    contiguous_spans,
+    encoder_layers,
+    frames_per_video,
+    llava_vision_stats,
+    tower_feature_layer,
+)
+from vtc.prepool import PrepoolCapture
 
 
 class LlavaNextVideoAdapter(Adapter):
@@ -15,6 +25,26 @@ class LlavaNextVideoAdapter(Adapter):
     @property
     def vision_tower(self) -> torch.nn.Module:
         return self.outer.vision_tower
+
+    def vision_attention_modules(self) -> list[torch.nn.Module]:
+        return [layer.self_attn for layer in encoder_layers(self.vision_tower)]
+
+    def vision_feature_layer(self) -> int:
+        return tower_feature_layer(self.model.config.vision_feature_layer, len(self.vision_attention_modules()))
+
+    def vision_stats_per_video(self, calls, spans, layer_of) -> list[dict]:
+        return llava_vision_stats(self, calls, spans, layer_of)
+
+    def prepool_capture(self) -> PrepoolCapture:
+        """CLIP features entering the 2x2 pooler (CLS already removed); `pool` = pooler then projector."""
+        config = self.model.config
+        side = config.vision_config.image_size // config.vision_config.patch_size
+        pooler = self.outer.vision_resampler
+
+        def pool(grid: torch.Tensor) -> torch.Tensor:  # [F, h, w, D_vision] through the model's pooler
+            return pooler.pool(grid.permute(0, 3, 1, 2)).permute(0, 2, 3, 1)
+
+        return PrepoolCapture(pooler, (side, side), pool, capture="input", project=self.outer.multi_modal_projector)
 
     def frame_grid(self) -> tuple[int, int]:
         config = self.model.config

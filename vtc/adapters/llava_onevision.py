@@ -9,7 +9,17 @@ import math
 
 import torch
 
-from vtc.adapters.base import Adapter, CapturedInputs, VideoSpan, contiguous_spans, frames_per_video
+from vtc.adapters.base import (
+    Adapter,
+    CapturedInputs,
+    VideoSpan,
+    contiguous_spans,
+    encoder_layers,
+    frames_per_video,
+    llava_vision_stats,
+    tower_feature_layer,
+)
+from vtc.prepool import PrepoolCapture
 
 
 class LlavaOnevisionAdapter(Adapter):
@@ -19,6 +29,27 @@ class LlavaOnevisionAdapter(Adapter):
     @property
     def vision_tower(self) -> torch.nn.Module:
         return self.outer.vision_tower
+
+    def vision_attention_modules(self) -> list[torch.nn.Module]:
+        return [layer.self_attn for layer in encoder_layers(self.vision_tower)]
+
+    def vision_feature_layer(self) -> int:
+        return tower_feature_layer(self.model.config.vision_feature_layer, len(self.vision_attention_modules()))
+
+    def vision_stats_per_video(self, calls, spans, layer_of) -> list[dict]:
+        return llava_vision_stats(self, calls, spans, layer_of)
+
+    def prepool_capture(self) -> PrepoolCapture:
+        """Projected SigLIP features before `apply_pooling` (bilinear to ceil(side / 2))."""
+        vision = self.model.config.vision_config
+        side = vision.image_size // vision.patch_size
+
+        def pool(grid: torch.Tensor) -> torch.Tensor:  # [F, h, w, D] -> [F, ceil(h/2), ceil(w/2), D]
+            x = grid.permute(0, 3, 1, 2)
+            size = [math.ceil(x.shape[2] / 2), math.ceil(x.shape[3] / 2)]
+            return torch.nn.functional.interpolate(x, size=size, mode="bilinear").permute(0, 2, 3, 1)
+
+        return PrepoolCapture(self.outer.multi_modal_projector, (side, side), pool, capture="output")
 
     def frame_grid(self) -> tuple[int, int]:
         vision = self.model.config.vision_config

@@ -7,12 +7,23 @@ scattered them into the prompt, i.e. after the reorder, so nothing here depends 
 from __future__ import annotations
 
 from vtc.adapters.base import CapturedInputs, VideoSpan
-from vtc.adapters.qwen2_vl import Qwen2VLAdapter
+from vtc.adapters.qwen2_vl import Qwen2VLAdapter, qwen_vision_stats
 
 
 class Qwen2_5_VLAdapter(Qwen2VLAdapter):
     family = "qwen2_5_vl"
     class_names = ("Qwen2_5_VLForConditionalGeneration",)
+
+    def vision_stats_per_video(self, calls, spans, layer_of) -> list[dict]:
+        from transformers.vision_utils import get_vision_window_index
+
+        vision = self.model.config.vision_config
+
+        def window_index(grid_thw):
+            merge, window, patch = vision.spatial_merge_size, vision.window_size, vision.patch_size
+            return get_vision_window_index(grid_thw, merge, window, patch)[0]
+
+        return qwen_vision_stats(self, calls, spans, layer_of, window_index)
 
     def _add_timestamps(self, spans: list[VideoSpan], captured: CapturedInputs) -> None:
         """Seconds of each temporal patch, from M-RoPE time positions (t = tokens_per_second * seconds)."""

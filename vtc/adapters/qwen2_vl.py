@@ -50,6 +50,41 @@ def video_runs(input_ids: torch.Tensor, video_token_id: int) -> list[tuple[int, 
     return [(b, s, e) for b in range(input_ids.shape[0]) for s, e in runs(input_ids[b] == video_token_id)]
 
 
+def qwen_vision_stats(adapter, calls, spans, layer_of, window_index_fn=None) -> list[dict]:
+    """Statistics on the LLM token grid: find the tower call that encoded these videos, concatenate its
+    attention chunks (one per temporal patch, or per window), undo Qwen2.5-VL's window permutation, average
+    each 2x2 merge unit, and split per video into [T, H*W(, d)]."""
+    merge = int(adapter.model.config.vision_config.spatial_merge_size)
+    wanted = [span.grid for span in spans]
+    call = None
+    for candidate in reversed(calls):
+        grid_thw = candidate["grid_thw"]
+        if grid_thw is None:
+            continue
+        if [(int(t), int(h) // merge, int(w) // merge) for t, h, w in grid_thw.tolist()] == wanted:
+            call = candidate
+            break
+    if call is None:
+        raise RuntimeError("no vision-tower call for these videos was captured (was the vision tower bypassed?)")
+    unit = merge * merge
+    out: list[dict] = [{} for _ in spans]
+    for stat, layer in layer_of.items():
+        values = torch.cat([chunk[stat.kind] for chunk in call["chunks"].get(layer, [])], dim=1)[0]
+        units = values.reshape(values.shape[0] // unit, unit, *values.shape[1:])
+        if window_index_fn is not None:
+            window_index = window_index_fn(call["grid_thw"]).to(units.device)
+            restored = torch.empty_like(units)
+            restored[window_index] = units
+            units = restored
+        per_token = units.mean(dim=1)
+        start = 0
+        for k, span in enumerate(spans):
+            t, h, w = span.grid
+            out[k][stat] = per_token[start : start + t * h * w].reshape(t, h * w, *per_token.shape[1:])
+            start += t * h * w
+    return out
+
+
 class Qwen2VLAdapter(Adapter):
     family = "qwen2_vl"
     class_names = ("Qwen2VLForConditionalGeneration",)
@@ -59,6 +94,15 @@ class Qwen2VLAdapter(Adapter):
     @property
     def vision_tower(self) -> torch.nn.Module:
         return self.outer.visual
+
+    def vision_attention_modules(self) -> list[torch.nn.Module]:
+        return [block.attn for block in self.outer.visual.blocks]
+
+    def vision_feature_layer(self) -> int:
+        return len(self.outer.visual.blocks) - 1
+
+    def vision_stats_per_video(self, calls, spans, layer_of) -> list[dict]:
+        return qwen_vision_stats(self, calls, spans, layer_of)
 
     @property
     def spatial_merge(self) -> int:

@@ -12,6 +12,10 @@ Hooks, all on the patched model's own modules (removed by `remove()`):
 Layers cache only the tokens alive when they ran, so the KV cache is ragged across layers; decode steps
 use per-layer key masks recorded at prefill. Survivors keep their original positions (RoPE rows are
 gathered, never recomputed), so decoding continues from the original prompt length.
+
+Plugins that set `acts_during_decode = True` are also called at "layer_start" of every layer during decode
+steps (`state.phase == "decode"`), where they may read attention rows of the new token and hide cached
+prompt keys from the following layers for that step (`state.mask_keys`), as DyCoke's dynamic KV pruning does.
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ Tensor = torch.Tensor
 class TokenLayout:
     """Per-slot bookkeeping of the sequence inside the LLM; every field is [B, n].
 
-    index: position of the slot's token in the sequence that entered the LLM (gathers RoPE rows)
+    index: position of the slot's token in the sequence that entered the LLM (gathers RoPE rows, and
+           relates slots to the KV cache of earlier layers)
     valid: a real token (False for padding)
     visual: a compressible visual token; frame/patch/video are -1 elsewhere
     patch: spatial index within the frame (row * W + col)
@@ -43,12 +48,15 @@ class TokenLayout:
     frame: Tensor
     patch: Tensor
     video: Tensor
+    tags: dict[str, Tensor] = dataclasses.field(default_factory=dict)  # connect plugins' labels, -1 elsewhere
 
     def gather(self, idx: Tensor, valid: Tensor) -> "TokenLayout":
-        fields = {f.name: torch.gather(getattr(self, f.name), 1, idx) for f in dataclasses.fields(self)}
+        fields = {
+            f.name: torch.gather(getattr(self, f.name), 1, idx) for f in dataclasses.fields(self) if f.name != "tags"
+        }
         fields["valid"] = valid
         fields["visual"] = fields["visual"] & valid
-        return TokenLayout(**fields)
+        return TokenLayout(**fields, tags={name: torch.gather(t, 1, idx) for name, t in self.tags.items()})
 
     @property
     def num_visual(self) -> int:
@@ -56,7 +64,8 @@ class TokenLayout:
 
 
 class LLMState:
-    """What a `prefill` plugin sees at each call; changes go through `keep` and `merge_mean`."""
+    """What a `prefill` plugin sees at each call; changes go through `keep`, `merge_mean`, `replace_hidden`
+    (prefill) and `mask_keys` (decode)."""
 
     def __init__(self, runtime: "LLMRuntime") -> None:
         self._rt = runtime
@@ -71,6 +80,11 @@ class LLMState:
         return self._rt.point
 
     @property
+    def phase(self) -> str:
+        """ "prefill" (the prompt) or "decode" (a later forward reusing its cache)."""
+        return "decode" if self._rt.decoding else "prefill"
+
+    @property
     def num_layers(self) -> int:
         return len(self._rt.layers)
 
@@ -81,12 +95,17 @@ class LLMState:
     # what is there
     @property
     def hidden(self) -> Tensor:
-        """The residual stream [B, n, D] at this point (read it; change it only through keep/merge)."""
+        """The residual stream [B, n, D] at this point (prefill: the prompt; decode: the new tokens)."""
         return self._rt.hidden
 
     @property
     def layout(self) -> TokenLayout:
+        """Slots of the prompt as they are now (prefill) or were at the end of prefill (decode)."""
         return self._rt.layout
+
+    def prefill_layout(self, layer: int) -> TokenLayout:
+        """The prompt's slots as `layer` saw them at prefill = what its KV cache holds, in order."""
+        return self._rt.layer_layouts[layer]
 
     @property
     def grids(self) -> list[list[tuple[int, int, int]]]:
@@ -99,33 +118,60 @@ class LLMState:
         return self._rt.visual_in
 
     # attention rows
-    def request_attention(self, num_rows: int = 1, upcast: bool = True) -> None:
-        """Ask for the attention probabilities of the last `num_rows` prompt tokens at *this* layer.
+    def request_attention(self, num_rows: int | str = 1, upcast: bool = True) -> None:
+        """Ask for attention probabilities at *this* layer, of the last `num_rows` prompt tokens, or of every
+        token after the last visual token (`num_rows="after_visual"`, PruneVid's text queries). During decode
+        the rows are the new tokens.
 
         Call at "layer_start"; read them with `attention()` at this layer's "after_attention" or later.
         `upcast`: softmax in float32 (transformers' eager attention) instead of the model dtype.
         """
         if self.point != "layer_start":
             raise RuntimeError("request_attention must be called at the 'layer_start' point of a layer")
+        if not (isinstance(num_rows, int) and num_rows >= 1) and num_rows != "after_visual":
+            raise ValueError(f"num_rows must be a positive int or 'after_visual', got {num_rows!r}")
         self._rt.requests[self.layer] = (num_rows, upcast)
 
     def attention(self, layer: int | None = None) -> Tensor:
-        """Captured probabilities [B, heads, rows, keys] of `layer` (default: the current one)."""
+        """Captured probabilities [B, heads, rows, keys] of `layer` (default: the current one). Rows that do
+        not exist for a batch row (padding of "after_visual") are all zero; see `attention_rows_valid`."""
         layer = self.layer if layer is None else layer
         if layer not in self._rt.captured:
             raise RuntimeError(f"no attention rows were captured at layer {layer}; call request_attention first")
         return self._rt.captured[layer]
 
-    # changes
-    def keep(self, mask: Tensor) -> None:
-        """Keep the slots where `mask` [B, n] is True. Only visual tokens may be dropped."""
-        self._rt.keep(mask)
+    def attention_rows_valid(self, layer: int | None = None) -> Tensor:
+        """[B, rows] which captured rows are real."""
+        return self._rt.captured_rows_valid[self.layer if layer is None else layer]
+
+    # changes (prefill)
+    def keep(self, mask: Tensor, prune_cache: bool = False) -> None:
+        """Keep the slots where `mask` [B, n] is True. Only visual tokens may be dropped. With `prune_cache`,
+        the KV cache of every earlier layer drops the same tokens (PruneVid), which requires those layers to
+        have cached exactly the current slots."""
+        self._rt.keep(mask, prune_cache)
 
     def merge_mean(self, batch: Tensor, dst: Tensor, src: Tensor) -> None:
         """Fold slot (batch[e], src[e]) into (batch[e], dst[e]) for every e: each destination becomes the
         plain mean of itself and the sources folded into it (FrameFusion's rule), then sources are removed.
         Side features (Qwen3-VL DeepStack) are folded the same way."""
         self._rt.merge_mean(batch, dst, src)
+
+    def replace_hidden(self, hidden: Tensor) -> None:
+        """Replace the residual stream with new values of the same shape (e.g. a custom merge rule followed by
+        `keep`)."""
+        if hidden.shape != self._rt.hidden.shape:
+            raise ValueError(f"replace_hidden needs shape {tuple(self._rt.hidden.shape)}, got {tuple(hidden.shape)}")
+        self._rt.hidden = hidden
+
+    # changes (decode)
+    def mask_keys(self, visible: Tensor) -> None:
+        """During a decode step, let the following layers attend only to the cached prompt slots where
+        `visible` [B, n_prompt] is True (the prompt slots of `prefill_layout(layer)`; newer tokens stay
+        visible). Applies from the current layer on, for this step only."""
+        if self.phase != "decode":
+            raise RuntimeError("mask_keys applies to decode steps")
+        self._rt.step_mask = (self.layer, visible)
 
 
 class LLMRuntime:
@@ -138,18 +184,19 @@ class LLMRuntime:
         call_plugins: Callable[[LLMState, bool], None],
         family: str,
         deepstack: bool = False,
+        decode_plugins: bool = False,
     ) -> None:
         self.text_model = text_model
         self.layers = list(layers)
         self.call_plugins = call_plugins
         self.family = family
         self.deepstack = deepstack
+        self.decode_plugins = decode_plugins
         self.state = LLMState(self)
         self._handles: list[Any] = []
         self._orig_attn: dict[torch.nn.Module, Callable] = {}
         self._config_attn_before: str | None = None
-        self._reset_prefill()
-        self.layer_key_valid: dict[int, Tensor] = {}
+        self.reset()
 
     # --- install / remove ------------------------------------------------------------------------------------
     def install(self) -> None:
@@ -184,11 +231,11 @@ class LLMRuntime:
         self.text_model.config._attn_implementation = self._config_attn_before
         if self.deepstack and "_deepstack_process" in vars(self.text_model):
             del self.text_model._deepstack_process
-        self._reset_prefill()
-        self.layer_key_valid = {}
+        self.reset()
 
     # --- per forward -----------------------------------------------------------------------------------------
-    def _reset_prefill(self) -> None:
+    def reset(self) -> None:
+        """Forget the previous prompt (a new prefill starts, or the patch is removed)."""
         self.active = False  # inside a prefill forward with a video
         self.decoding = False  # inside a later forward that reuses the prefill's cache
         self.layer = -1
@@ -197,23 +244,24 @@ class LLMRuntime:
         self.layout: TokenLayout | None = None
         self.altered = False
         self.right_align = True
+        self.cache = None
         self.full_cos_sin: tuple[Tensor, Tensor] | None = None
         self.full_text_positions: Tensor | None = None
         self.cos_sin: tuple[Tensor, Tensor] | None = None
         self.text_positions: Tensor | None = None
         self.side: dict[str, Tensor] = {}
-        self.requests: dict[int, tuple[int, bool]] = {}
+        self.requests: dict[int, tuple[int | str, bool]] = {}
         self.captured: dict[int, Tensor] = {}
+        self.captured_rows_valid: dict[int, Tensor] = {}
         self.grids: list[list[tuple[int, int, int]]] = []
         self.visual_in: Tensor | None = None
         self.layer_visual: list[int] = []
         self._mid_short: Tensor | None = None
         self._layer_out: Tensor | None = None
-
-    def reset(self) -> None:
-        """Forget the previous prompt (a new prefill starts)."""
-        self._reset_prefill()
-        self.layer_key_valid = {}
+        # kept after the prefill, for decode steps
+        self.layer_layouts: dict[int, TokenLayout] = {}  # what each layer cached at prefill
+        self.layer_altered: dict[int, bool] = {}  # its cache no longer matches transformers' mask
+        self.step_mask: tuple[int, Tensor] | None = None
 
     def begin_prefill(
         self, layout: TokenLayout, grids: list[list[tuple[int, int, int]]], side: dict[str, Tensor] | None = None
@@ -227,7 +275,10 @@ class LLMRuntime:
         self.visual_in = (layout.visual & layout.valid).sum(1)
 
     def begin_decode(self) -> None:
-        self.decoding = bool(self.layer_key_valid)
+        self.decoding = bool(self.layer_layouts)
+        self.step_mask = None
+        self.requests = {}
+        self.captured = {}
 
     def end_forward(self) -> list[int]:
         counts = self.layer_visual
@@ -236,12 +287,15 @@ class LLMRuntime:
         self.hidden = None
         self.side = {}
         self.captured = {}
+        self.captured_rows_valid = {}
+        self.step_mask = None
         self.full_cos_sin = self.cos_sin = None
         self.full_text_positions = self.text_positions = None
+        self.cache = None
         return counts
 
     # --- sequence changes ------------------------------------------------------------------------------------
-    def keep(self, mask: Tensor) -> None:
+    def keep(self, mask: Tensor, prune_cache: bool = False) -> None:
         layout = self.layout
         mask = mask.to(layout.valid.device) & layout.valid
         forced = layout.valid & ~layout.visual
@@ -260,7 +314,31 @@ class LLMRuntime:
             pos = arange.expand(mask.shape[0], -1)
         valid = (pos >= 0) & (pos < counts[:, None])
         idx = torch.gather(order, 1, pos.clamp(min=0, max=n_new - 1))
+        if prune_cache:
+            self._prune_cache(idx, valid)
         self._apply_gather(idx, valid)
+
+    def _prune_cache(self, idx: Tensor, valid: Tensor) -> None:
+        """Apply the slot selection `idx` to the KV cache of every layer before the current one."""
+        if self.cache is None:
+            return
+        new_layout = self.layout.gather(idx, valid)
+        for layer in range(self.layer):
+            seen = self.layer_layouts.get(layer)
+            if seen is None or not torch.equal(seen.index, self.layout.index):
+                raise RuntimeError(
+                    f"cannot prune layer {layer}'s cache: it holds a different sequence than the current one"
+                )
+            cached = self.cache.layers[layer]
+            gather = idx.to(cached.keys.device)[:, None, :, None]
+            cached.keys = torch.gather(
+                cached.keys, 2, gather.expand(-1, cached.keys.shape[1], -1, cached.keys.shape[3])
+            )
+            cached.values = torch.gather(
+                cached.values, 2, gather.expand(-1, cached.values.shape[1], -1, cached.values.shape[3])
+            )
+            self.layer_layouts[layer] = new_layout
+            self.layer_altered[layer] = True
 
     def merge_mean(self, batch: Tensor, dst: Tensor, src: Tensor) -> None:
         if src.numel() == 0:
@@ -319,27 +397,30 @@ class LLMRuntime:
     # --- hooks -------------------------------------------------------------------------------------------------
     def _make_layer_pre_hook(self, layer_idx: int):
         def hook(module, args, kwargs):
-            if not self.active:
+            if not (self.active or (self.decoding and self.decode_plugins)):
                 return None
             self.layer = layer_idx
             hidden = args[0] if args else kwargs["hidden_states"]
             if layer_idx == 0:
-                cos, sin = kwargs["position_embeddings"]
-                self.full_cos_sin = (cos, sin)
-                self.full_text_positions = kwargs.get("position_ids")
+                self.cache = kwargs.get("cache", kwargs.get("past_key_values"))
+                if self.active:
+                    self.full_cos_sin = tuple(kwargs["position_embeddings"])
+                    self.full_text_positions = kwargs.get("position_ids")
             self.hidden = hidden
             self.point = "layer_start"
-            self.call_plugins(self.state, False)
-            self.layer_visual.append(self.layout.num_visual)
-            if not self.altered:
+            self.call_plugins(self.state, self.decoding)
+            if self.decoding:
                 return None
-            hidden = self.hidden
-            args = (hidden,) + tuple(args[1:]) if args else args
+            self.layer_visual.append(self.layout.num_visual)
+            if self.hidden is hidden and not self.altered:
+                return None
+            args = (self.hidden,) + tuple(args[1:]) if args else args
             if not args:
-                kwargs["hidden_states"] = hidden
-            kwargs["position_embeddings"] = self.cos_sin
-            if kwargs.get("position_ids") is not None:
-                kwargs["position_ids"] = self.text_positions
+                kwargs["hidden_states"] = self.hidden
+            if self.altered:
+                kwargs["position_embeddings"] = self.cos_sin
+                if kwargs.get("position_ids") is not None:
+                    kwargs["position_ids"] = self.text_positions
             return args, kwargs
 
         return hook
@@ -347,12 +428,11 @@ class LLMRuntime:
     def _post_attn_norm_hook(self, module, args):
         if not self.active:
             return None
-        altered_before = self.altered
-        layout_before = self.layout
-        self.hidden = args[0]
+        stream = args[0]
+        self.hidden = stream
         self.point = "after_attention"
         self.call_plugins(self.state, False)
-        if self.layout is layout_before and altered_before == self.altered:
+        if self.hidden is stream:
             return None
         self._mid_short = self.hidden
         return (self.hidden,)
@@ -392,10 +472,13 @@ class LLMRuntime:
         layer = module.layer_idx
         original = self._orig_attn[module]
         q_len, kv_len = query.shape[2], key.shape[2]
+        scaling = kwargs.get("scaling", module.scaling)
         if self.active:
             layout = self.layout
+            self.layer_layouts[layer] = layout
+            self.layer_altered[layer] = self.altered
             if layer in self.requests:
-                self._capture(layer, query, key, kwargs.get("scaling", module.scaling))
+                self._capture_prefill(layer, query, key, scaling)
             if not self.altered:
                 return original(module, query, key, value, attention_mask, **kwargs)
             if kv_len != q_len:
@@ -403,18 +486,31 @@ class LLMRuntime:
                     "vtc prefill plugins compress the first forward of a sequence only; this forward continues "
                     "a non-empty cache with a new video"
                 )
-            self.layer_key_valid[layer] = layout.valid.clone()
             # no padding: plain causal attention (SDPA's is_causal path, the fast one)
             mask = None if bool(layout.valid.all()) else self._prefill_mask(layout.valid.to(query.device))
             return attn_mod.original_attention("sdpa")(module, query, key, value, mask, **kwargs)
-        key_valid = self.layer_key_valid.get(layer) if self.decoding else None
-        if key_valid is None:
+        if not self.decoding or layer not in self.layer_layouts:
             return original(module, query, key, value, attention_mask, **kwargs)
-        if q_len == 1 and bool(key_valid.all()):
-            mask = None  # one new token sees every cached key
-        else:
-            mask = self._decode_mask(key_valid.to(query.device), q_len, kv_len)
-        return attn_mod.original_attention("sdpa")(module, query, key, value, mask, **kwargs)
+        prefix = self.layer_layouts[layer].valid.to(query.device)
+        if self.step_mask is not None and layer >= self.step_mask[0]:
+            prefix = prefix & self.step_mask[1].to(query.device)
+        elif not self.layer_altered.get(layer, False) and layer not in self.requests:
+            return original(module, query, key, value, attention_mask, **kwargs)
+        visible = self._decode_mask(prefix, q_len, kv_len)
+        if layer in self.requests:
+            probs = attn_mod.attention_rows(
+                query,
+                key,
+                torch.arange(q_len, device=query.device)[None].expand(query.shape[0], -1),
+                visible[:, 0],
+                scaling,
+                self.requests[layer][1],
+            )
+            self.captured[layer] = probs
+            self.captured_rows_valid[layer] = torch.ones(probs.shape[0], q_len, dtype=torch.bool)
+        if q_len == 1 and bool(visible.all()):
+            visible = None  # one new token sees every cached key
+        return attn_mod.original_attention("sdpa")(module, query, key, value, visible, **kwargs)
 
     @staticmethod
     def _prefill_mask(valid: Tensor) -> Tensor:
@@ -435,13 +531,24 @@ class LLMRuntime:
         causal = torch.arange(kv_len, device=device)[None, :] <= q_pos[:, None]
         return (causal[None] & key_valid[:, None, :])[:, None]
 
-    def _capture(self, layer: int, query: Tensor, key: Tensor, scaling: float) -> None:
+    def _capture_prefill(self, layer: int, query: Tensor, key: Tensor, scaling: float) -> None:
         num_rows, upcast = self.requests[layer]
         valid = self.layout.valid.to(query.device)
-        n = valid.shape[1]
-        # last `num_rows` valid slots of every row (left-aligned rows: the last real tokens)
+        bsz, n = valid.shape
         slot = torch.arange(n, device=query.device)[None].expand_as(valid)
         last = torch.where(valid, slot, -1).max(dim=1).values
-        rows = (last[:, None] - torch.arange(num_rows - 1, -1, -1, device=query.device)[None]).clamp(min=0)
+        if num_rows == "after_visual":
+            visual = (self.layout.visual & self.layout.valid).to(query.device)
+            first = torch.where(visual, slot, -1).max(dim=1).values + 1  # the slot after the last visual token
+            counts = (last - first + 1).clamp(min=1)
+            width = int(counts.max())
+            offsets = torch.arange(width, device=query.device)[None]
+            rows_valid = offsets < counts[:, None]
+            rows = torch.minimum(first[:, None] + offsets, last[:, None])
+        else:
+            rows = (last[:, None] - torch.arange(num_rows - 1, -1, -1, device=query.device)[None]).clamp(min=0)
+            rows_valid = torch.ones_like(rows, dtype=torch.bool)
         visible = (torch.arange(n, device=query.device)[None, None, :] <= rows[:, :, None]) & valid[:, None, :]
-        self.captured[layer] = attn_mod.attention_rows(query, key, rows, visible, scaling, upcast)
+        probs = attn_mod.attention_rows(query, key, rows, visible, scaling, upcast)
+        self.captured[layer] = probs * rows_valid[:, None, :, None].to(probs.dtype)
+        self.captured_rows_valid[layer] = rows_valid

@@ -1,0 +1,132 @@
+"""Vision-tower attention statistics for `connect` plugins, captured only at the layers plugins ask for.
+
+Methods such as VisionZip, HoliTom, AOT and FastVID rank visual tokens by how much attention they receive
+inside the vision encoder. Their official code switches the whole tower to eager attention; vtc instead
+routes the tower's attention through its registered attention function (`vtc_sdpa`), and for the requested
+layers only computes the statistic from that layer's query/key (in chunks of frames, so the full maps
+never sit in memory), then calls the original attention. Other layers pass straight through.
+
+A plugin asks with `vision_stats(self, family) -> list[VisionStat]`; in `vtc_connect` it reads
+`ctx.vision[stat]`, one tensor per frame of its video:
+
+  LLaVA families (per input frame, on the encoder's patch grid, CLS first where the tower has one):
+    "received"   [F, L]          attention each key receives: sum over queries, mean over heads
+    "cls"        [F, heads, L]   the CLS query's attention row (CLIP towers only)
+    "keys"       [F, L, d]       keys averaged over heads (VisionZip's similarity metric)
+  Qwen families (per temporal patch, on the LLM token grid: patch values averaged over each 2x2 merge unit,
+  window permutation of Qwen2.5-VL undone):
+    "received"   [T, H*W]        as above
+    "keys"       [T, H*W, d]
+    "mean_query" [T, H*W]        FastVID's Qwen2.5-VL score: softmax over merge units of the mean query
+                                 against the units' mean keys, averaged over heads
+`layer` counts from the start (>= 0) or from the layer whose output the model uses as features (-1 = that
+layer, -2 = the one before, as `attentions[-2]` in the official LLaVA code).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from vtc.llm import attention as attn_mod
+
+Tensor = torch.Tensor
+KINDS = ("received", "cls", "keys", "mean_query")
+FRAME_CHUNK = 4  # frames whose attention maps are materialised at once
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionStat:
+    kind: str
+    layer: int = -1
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown vision statistic {self.kind!r}; choose one of {', '.join(KINDS)}")
+
+
+def _frame_stats(query: Tensor, key: Tensor, scaling: float, kinds: set[str]) -> dict[str, Tensor]:
+    """Statistics of full attention within each item of a batch: query/key [n, heads, L, d]."""
+    out: dict[str, list[Tensor]] = {k: [] for k in kinds}
+    for start in range(0, query.shape[0], FRAME_CHUNK):
+        q = query[start : start + FRAME_CHUNK].float()
+        k = key[start : start + FRAME_CHUNK].float()
+        if "received" in kinds or "cls" in kinds:
+            probs = torch.softmax((q @ k.transpose(-1, -2)) * scaling, dim=-1)  # [c, heads, L, L]
+            if "received" in kinds:
+                out["received"].append(probs.sum(dim=-2).mean(dim=1))
+            if "cls" in kinds:
+                out["cls"].append(probs[:, :, 0, :])
+        if "keys" in kinds:
+            out["keys"].append(k.mean(dim=1))
+        if "mean_query" in kinds:
+            # mean query against keys averaged over merge units of 4 consecutive patches (Qwen2.5-VL order)
+            mean_q = q.mean(dim=-2, keepdim=True)  # [c, heads, 1, d]
+            units = k.reshape(*k.shape[:2], k.shape[2] // 4, 4, k.shape[3]).mean(dim=3)
+            probs = torch.softmax((mean_q @ units.transpose(-1, -2)) * scaling, dim=-1)[:, :, 0]
+            out["mean_query"].append(probs.mean(dim=1).repeat_interleave(4, dim=-1))  # back to patch level
+    return {name: torch.cat(parts) for name, parts in out.items()}
+
+
+class VisionCapture:
+    """Installs the capture on one model's vision tower and hands per-video statistics to the connect stage."""
+
+    def __init__(self, adapter, stats: set[VisionStat]) -> None:
+        self.adapter = adapter
+        self.stats = stats
+        modules = adapter.vision_attention_modules()
+        feature = adapter.vision_feature_layer()
+        self.by_module: dict[torch.nn.Module, set[str]] = {}
+        self.layer_of: dict[VisionStat, int] = {}
+        for stat in stats:
+            layer = stat.layer if stat.layer >= 0 else feature + 1 + stat.layer
+            layer = max(0, min(layer, len(modules) - 1))  # tiny test towers have fewer layers
+            self.layer_of[stat] = layer
+            self.by_module.setdefault(modules[layer], set()).add(stat.kind)
+        self.module_layer = {m: i for i, m in enumerate(modules)}
+        self.calls: list[dict[str, Any]] = []
+        self._handles: list = []
+        self._config = adapter.vision_tower.config
+        self._attn_before: str | None = None
+        self._original: dict[torch.nn.Module, Any] = {}
+
+    def install(self) -> None:
+        attn_mod.ensure_registered()
+        self._attn_before = self._config._attn_implementation
+        for module in self.module_layer:
+            self._original[module] = attn_mod.original_attention(self._attn_before, module)
+            attn_mod.RUNTIME_BY_MODULE[module] = self
+        self._config._attn_implementation = attn_mod.ATTENTION_NAME
+        self._handles.append(self.adapter.vision_tower.register_forward_pre_hook(self._start_call, with_kwargs=True))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for module in self._original:
+            attn_mod.RUNTIME_BY_MODULE.pop(module, None)
+        self._original.clear()
+        self._config._attn_implementation = self._attn_before
+        self.calls.clear()
+
+    def _start_call(self, module, args, kwargs) -> None:
+        pixels = args[0] if args else next(iter(kwargs.values()))
+        self.calls.append({"grid_thw": kwargs.get("grid_thw"), "items": int(pixels.shape[0]), "chunks": {}})
+        del self.calls[:-4]  # images and videos of one prompt; older calls are stale
+
+    def attention(self, module, query, key, value, attention_mask, **kwargs):
+        kinds = self.by_module.get(module)
+        if kinds and self.calls:
+            scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
+            layer = self.module_layer[module]
+            chunks = self.calls[-1]["chunks"].setdefault(layer, [])
+            chunks.append(_frame_stats(query.detach(), key.detach(), scaling, kinds))
+        return self._original[module](module, query, key, value, attention_mask, **kwargs)
+
+    def video_stats(self, spans) -> list[dict[VisionStat, Tensor]]:
+        """Per video (in `spans` order), each requested statistic on its frames; consumes the captured calls."""
+        per_video = self.adapter.vision_stats_per_video(self.calls, spans, self.layer_of)
+        self.calls.clear()
+        return per_video
