@@ -113,6 +113,11 @@ class FrameFusion:
         self.cost = float(params.cost) if params.cost is not None else (retention if retention is not None else 0.3)
         self.rows: list[RowState] = []  # state of the last prefill, per batch row (inspectable)
 
+    @property
+    def last_kept(self) -> list[int]:
+        """Visual tokens each batch row kept at the last prefill (FrameFusion decides adaptively)."""
+        return [row.final_tokens for row in self.rows if row.final_tokens is not None]
+
     def _threshold(self, family: str) -> float:
         if self.params.similarity_lower_bound is not None:
             return float(self.params.similarity_lower_bound)
