@@ -19,6 +19,12 @@ from tests.conftest import FAMILIES, batch_inputs, model_and_processor, reducing
 
 METHODS = reducing_methods()
 RETENTION = 0.3
+# the tiny test models have 4 LLM layers: methods acting at a deep layer by default act at layer 2 here
+TINY_PARAMS = {"holitom": {"k": 2}, "prunevid": {"selected_layer": 2}}
+
+
+def patch(model, method, retention):
+    return vtc.patch(model, method, retention=retention, **TINY_PARAMS.get(method, {}))
 
 
 def logits(model, inputs) -> torch.Tensor:
@@ -55,7 +61,7 @@ def test_retention_one_is_identity(method, family):
     single, batch = single_inputs(family), batch_inputs(family)
     ref_single, ref_batch = logits(model, single), logits(model, batch)
     ref_tokens = greedy(model, batch)
-    with vtc.patch(model, method, retention=1.0) as handle:
+    with patch(model, method, 1.0) as handle:
         assert torch.equal(logits(model, single), ref_single)
         assert torch.equal(logits(model, batch), ref_batch)
         assert torch.equal(greedy(model, batch), ref_tokens)
@@ -66,7 +72,7 @@ def test_retention_one_is_identity(method, family):
 @pytest.mark.parametrize("method", METHODS)
 def test_kept_count_matches_plan(method, family):
     model, _ = model_and_processor(family)
-    with vtc.patch(model, method, retention=RETENTION) as handle:
+    with patch(model, method, RETENTION) as handle:
         for inputs in (single_inputs(family), batch_inputs(family)):
             logits(model, inputs)
             stats = handle.stats()
@@ -104,7 +110,7 @@ def test_survivors_keep_original_positions(method, family):
     records.clear()
     for h in handles:
         h.remove()
-    with vtc.patch(model, method, retention=RETENTION):
+    with patch(model, method, RETENTION):
         records, handles = _probe_layers(model)
         logits(model, inputs)
         for h in handles:
@@ -134,7 +140,7 @@ def test_survivors_keep_original_positions(method, family):
 def test_generate_decodes(method, family):
     model, processor = model_and_processor(family)
     inputs = batch_inputs(family)
-    with vtc.patch(model, method, retention=RETENTION):
+    with patch(model, method, RETENTION):
         new = greedy(model, inputs, tokens=5)
     assert new.shape == (2, 5)
     texts = processor.batch_decode(new, skip_special_tokens=True)
@@ -150,7 +156,7 @@ def test_unpatch_restores_model(method, family):
     text = vtc.api.resolve_adapter(model).text_model
     attrs_before = {name: set(vars(m)) for name, m in model.named_modules()}
     attn_before = text.config._attn_implementation
-    handle = vtc.patch(model, method, retention=RETENTION)
+    handle = patch(model, method, RETENTION)
     assert not torch.equal(logits(model, inputs)[:, -1], ref[:, -1])
     handle.unpatch()
     assert torch.equal(logits(model, inputs), ref)
@@ -165,7 +171,7 @@ def test_padded_batch_matches_single_prompts(method, family):
     model, _ = model_and_processor(family)
     batch = batch_inputs(family)
     assert bool((batch["attention_mask"] == 0).any()), "the batch must contain padding"
-    with vtc.patch(model, method, retention=RETENTION) as handle:
+    with patch(model, method, RETENTION) as handle:
         out = logits(model, batch)[:, -1]
         batch_kept = handle.stats().visual_tokens_out
         singles, kept = [], 0
@@ -186,7 +192,7 @@ def test_connect_decode_continues_compressed_prompt(method, family):
         pytest.skip("decisions depend on the prompt's last tokens; covered by the method's own reference test")
     model, _ = model_and_processor(family)
     inputs = single_inputs(family)
-    with vtc.patch(model, method, retention=RETENTION):
+    with patch(model, method, RETENTION):
         out = model.generate(
             **inputs, max_new_tokens=3, do_sample=False, output_logits=True, return_dict_in_generate=True
         )
@@ -209,9 +215,9 @@ def test_bf16(method, family):
         k: (v.to(torch.bfloat16) if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in inputs.items()
     }
     ref = logits(model, inputs)
-    with vtc.patch(model, method, retention=1.0):
+    with patch(model, method, 1.0):
         assert torch.equal(logits(model, inputs), ref)
-    with vtc.patch(model, method, retention=RETENTION) as handle:
+    with patch(model, method, RETENTION) as handle:
         out = logits(model, inputs)
         assert torch.isfinite(out).all()
         assert handle.stats().visual_tokens_out < handle.stats().visual_tokens_in
