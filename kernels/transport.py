@@ -19,8 +19,8 @@ def sinkhorn(
 
     K = exp(-cost / epsilon); starting from r = c = 1, repeat r = u / (K c), c = v / (K^T r) until the mean
     absolute change of r drops below `tol` (at most `max_iter` times); T = diag(r) K diag(c). This is AOT's
-    `Sinkhorn_v1`: the loop stops on r's change, so row sums equal u and column sums approach v. Runs in
-    the cost's dtype, like the official code.
+    `Sinkhorn_v1`: c is updated last, so column sums equal v exactly while row sums only approach u (within
+    the tolerance; about 8 % off at AOT's tol=1e-2). Runs in the cost's dtype, like the official code.
     """
     m, n = cost.shape[-2:]
     u = (

@@ -18,6 +18,13 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 import vtc  # noqa: E402
 from vtc import tiny  # noqa: E402
+
+try:  # a tiny CLIP architecture (random weights) for quota-clip tests
+    import open_clip
+
+    open_clip.add_model_config(os.path.join(os.path.dirname(__file__), "assets"))
+except ImportError:  # pragma: no cover - open_clip is a dev dependency
+    open_clip = None
 from vtc.video import synthetic_video  # noqa: E402
 
 FAMILIES = tiny.FAMILIES

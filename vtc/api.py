@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 import weakref
 from typing import Any, Sequence
@@ -46,6 +47,12 @@ class PatchHandle:
         if _HANDLES.get(self.model) is self:
             del _HANDLES[self.model]
 
+    def suspended(self):
+        """Context manager: run the model exactly as if unpatched inside the block (for A/B comparisons)."""
+        if self._patch is None:
+            return contextlib.nullcontext()
+        return self._patch.suspended()
+
     def __enter__(self) -> "PatchHandle":
         return self
 
@@ -81,14 +88,20 @@ class PatchHandle:
         frames chosen by this pipeline's `sample` stage (uniform when it has none). Feed the result to
         `model.generate(**inputs)`."""
         videos, questions = _as_batch(video, question)
-        inputs = prepare_batch(processor, videos, questions, self.pipeline, num_frames, fps, system)
-        if self._patch is not None:
-            if self._patch.tokenizer is None:
-                self._patch.tokenizer = getattr(processor, "tokenizer", None)
-            mask = inputs["attention_mask"].bool()
-            for b, q in enumerate(questions):
-                ids = tuple(inputs["input_ids"][b][mask[b]].tolist())
-                self._patch.prepared_questions[ids] = q
+        if self._patch is None:
+            inputs, _ = prepare_batch(processor, videos, questions, self.pipeline, num_frames, fps, system, self.model)
+            return inputs
+        # samplers may run the model itself (QuoTA scores frames with it): not through vtc's own hooks
+        with self._patch.suspended():
+            inputs, prepared = prepare_batch(
+                processor, videos, questions, self.pipeline, num_frames, fps, system, self.model
+            )
+        if self._patch.tokenizer is None:
+            self._patch.tokenizer = getattr(processor, "tokenizer", None)
+        mask = inputs["attention_mask"].bool()
+        for b, q in enumerate(questions):
+            ids = tuple(inputs["input_ids"][b][mask[b]].tolist())
+            self._patch.prepared[ids] = {"question": q, **prepared[b]}
         return inputs
 
 
@@ -150,10 +163,14 @@ def prepare_inputs(
     num_frames: int | None = None,
     fps: float | None = None,
     system: str | None = None,
+    model: torch.nn.Module | None = None,
     **params: Any,
 ):
     """Processor inputs for a video and question with frames chosen by `methods`' sample stage, without
-    patching a model. `vtc.prepare_inputs(processor, "clip.mp4", "What happens?", "uniform", num_frames=16)`."""
+    patching a model. `vtc.prepare_inputs(processor, "clip.mp4", "What happens?", "uniform", num_frames=16)`.
+    `model` is needed by samplers that score frames with a model (QuoTA); what such samplers prepare for later
+    stages only reaches a model patched by a handle, so prefer `handle.prepare` for them."""
     pipeline = Pipeline(methods, params=params)
     videos, questions = _as_batch(video, question)
-    return prepare_batch(processor, videos, questions, pipeline, num_frames, fps, system)
+    inputs, _ = prepare_batch(processor, videos, questions, pipeline, num_frames, fps, system, model)
+    return inputs

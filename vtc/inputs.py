@@ -20,6 +20,7 @@ class SampledVideo:
     frames: Any  # [n, H, W, 3] uint8
     indices: list[int]
     source: VideoSource
+    prepared: dict[str, Any] = dataclasses.field(default_factory=dict)  # what the sampler hands to later stages
 
     @property
     def metadata(self) -> dict[str, Any]:
@@ -35,18 +36,28 @@ class SampledVideo:
 
 
 def sample_frames(
-    video, question: str | None, pipeline=None, num_frames: int | None = None, fps: float | None = None
+    video,
+    question: str | None,
+    pipeline=None,
+    num_frames: int | None = None,
+    fps: float | None = None,
+    model=None,
+    processor=None,
 ) -> SampledVideo:
-    """Run the pipeline's `sample` stage (uniform over the whole video when it has none)."""
+    """Run the pipeline's `sample` stage (uniform over the whole video when it has none).
+
+    Samplers see `ctx.question`, `ctx.model` and `ctx.extra["processor"]` (for query-aware scoring) and may
+    leave data for later stages in `ctx.extra["prepared"]` (e.g. QuoTA's per-frame weights)."""
     source = VideoSource.open(video, fps=fps)
-    ctx = Context(question=question, extra={"num_frames": num_frames})
+    extra = {"num_frames": num_frames, "processor": processor, "prepared": {}}
+    ctx = Context(question=question, model=model, extra=extra)
     indices = pipeline.run_sample(source, ctx) if pipeline is not None else None
     if indices is None:
         indices = uniform_indices(source.num_frames, num_frames or DEFAULT_NUM_FRAMES)
     indices = [int(i) for i in indices]
     if indices != sorted(indices) or not indices:
         raise ValueError(f"a sampler must return a non-empty sorted list of frame indices, got {indices[:8]}...")
-    return SampledVideo(source.read(indices), indices, source)
+    return SampledVideo(source.read(indices), indices, source, extra["prepared"])
 
 
 def processor_video_kwargs(processor, sampled: list[SampledVideo]) -> dict[str, Any]:
@@ -78,20 +89,23 @@ def prepare_batch(
     num_frames: int | None = None,
     fps: float | None = None,
     system: str | None = None,
+    model=None,
 ):
-    """Processor inputs (a `BatchFeature`) for one question per video, left-padded for generation."""
+    """Processor inputs (a `BatchFeature`) for one question per video, left-padded for generation, and what
+    the sample stage prepared for each video."""
     if len(videos) != len(questions):
         raise ValueError(f"got {len(videos)} videos but {len(questions)} questions; pass one question per video")
-    sampled = [sample_frames(v, q, pipeline, num_frames, fps) for v, q in zip(videos, questions)]
+    sampled = [sample_frames(v, q, pipeline, num_frames, fps, model, processor) for v, q in zip(videos, questions)]
     texts = [
         processor.apply_chat_template(build_messages(q, system), add_generation_prompt=True, tokenize=False)
         for q in questions
     ]
     padding = {"padding": True, "padding_side": "left"} if len(texts) > 1 else {}
-    return processor(
+    inputs = processor(
         text=texts,
         videos=[s.frames for s in sampled],
         return_tensors="pt",
         **padding,
         **processor_video_kwargs(processor, sampled),
     )
+    return inputs, [s.prepared for s in sampled]

@@ -12,6 +12,7 @@ Everything is undone by `remove()`; nothing touches classes or other model insta
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from typing import Any
@@ -75,7 +76,9 @@ class ModelPatch:
         self.vision: VisionCapture | None = None
         self.prepool = None
         self.mapping: PromptMapping | None = None
-        self.prepared_questions: dict[tuple[int, ...], str] = {}
+        # what handle.prepare produced for a prompt (question text, sampler outputs), keyed by its token ids
+        self.prepared: dict[tuple[int, ...], dict[str, Any]] = {}
+        self.enabled = True
         self._captured: CapturedInputs | None = None
         self._handles: list[Any] = []
         self._llm_start = 0.0
@@ -126,8 +129,26 @@ class ModelPatch:
         self.mapping = None
         self._captured = None
 
+    @contextlib.contextmanager
+    def suspended(self):
+        """Run the model as if unpatched (samplers that score frames with the model itself use this)."""
+        before = self.enabled
+        self.enabled = False
+        for part in (self.vision, self.prepool):
+            if part is not None:
+                part.enabled = False
+        try:
+            yield
+        finally:
+            self.enabled = before
+            for part in (self.vision, self.prepool):
+                if part is not None:
+                    part.enabled = before
+
     # --- hooks ---------------------------------------------------------------------------------------------------
     def _outer_pre_hook(self, module, args, kwargs):
+        if not self.enabled:
+            return None
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         media = {k: kwargs[k] for k in MEDIA_KWARGS if kwargs.get(k) is not None}
         self._captured = CapturedInputs(input_ids, kwargs.get("attention_mask"), media)
@@ -143,6 +164,8 @@ class ModelPatch:
         return None
 
     def _llm_pre_hook(self, module, args, kwargs):
+        if not self.enabled:
+            return None
         captured, self._captured = self._captured, None
         embeds = kwargs.get("inputs_embeds")
         if embeds is None:
@@ -162,6 +185,8 @@ class ModelPatch:
         return args, kwargs
 
     def _llm_post_hook(self, module, args, kwargs, output):
+        if not self.enabled:
+            return None
         stats = self.recorder.current
         if self.runtime is not None:
             counts = self.runtime.end_forward()
@@ -208,9 +233,10 @@ class ModelPatch:
         for k, span in enumerate(spans):
             tokens = self._video_tokens(span, embeds, positions, deepstack)
             ctx = self._context(span, captured, mask)
+            ctx.video_index = k
             ctx.vision = vision[k]
             if prepool is not None:
-                ctx.prepool, ctx.pool = prepool[k], self.prepool.pool
+                ctx.prepool, ctx.pool, ctx.project = prepool[k], self.prepool.pool, self.prepool.projection
             out = self.pipeline.run_connect(tokens, ctx, self.recorder)
             changed |= out is not tokens  # plugins return their input untouched when they keep everything
             outputs.append(out)
@@ -292,7 +318,8 @@ class ModelPatch:
         valid = mask[span.batch].bool().to(ids_row.device)
         after = int(span.seq_index.max()) + 1
         question_ids = ids_row[after:][valid[after:]]
-        question = self.prepared_questions.get(tuple(ids_row[valid].tolist()))
+        prepared = self.prepared.get(tuple(ids_row[valid].tolist()), {})
+        question = prepared.get("question")
         if question is None and self.tokenizer is not None:
             question = self.tokenizer.decode(question_ids, skip_special_tokens=True).strip()
         generator = torch.Generator(device="cpu").manual_seed(self.seed)
@@ -304,6 +331,7 @@ class ModelPatch:
             embed_fn=self.adapter.embed,
             generator=generator,
             model=self.adapter.model,
+            extra={"prepared": prepared},
         )
 
     def _mapping(self, mask: Tensor, positions: Tensor, new_mask: Tensor, new_positions: Tensor) -> PromptMapping:

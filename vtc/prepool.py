@@ -32,6 +32,7 @@ class PrepoolCapture:
         self.capture = capture  # "output" (projected features) or "input" (features entering the pooler)
         self.project = project
         self.calls: list[Tensor] = []
+        self.enabled = True
         self._handle = None
 
     def install(self) -> None:
@@ -47,6 +48,8 @@ class PrepoolCapture:
         self.calls.clear()
 
     def _keep(self, features: Tensor) -> None:
+        if not self.enabled:
+            return
         self.calls.append(features.detach())
         del self.calls[:-4]
 
@@ -54,6 +57,10 @@ class PrepoolCapture:
         """[F, h, w, D] pre-pool features -> [F, h', w', D_llm] tokens, exactly as the model computes them."""
         pooled = self.model_pool(grid)
         return self.project(pooled) if self.project is not None else pooled
+
+    def projection(self, grid: Tensor) -> Tensor:
+        """Apply only the projector still ahead of pre-pool features (identity when they are projected already)."""
+        return self.project(grid) if self.project is not None else grid
 
     def per_video(self, frames: list[int]) -> list[Tensor]:
         """Split the latest captured call into one [F, h, w, D] grid per video."""

@@ -68,14 +68,18 @@ def run(
         name = model
 
     frames = int(params.pop("num_frames", frames))
-    inputs = vtc.prepare_inputs(processor, video, question, methods=methods, num_frames=frames, **params)
     device_of = next(net.parameters()).device
-    inputs = inputs.to(device_of)
-    with console.status("warming up"), torch.no_grad():
-        net(**inputs)
-    with console.status("answering without compression"):
-        base_ids, base_prefill, base_ttft = _generate(net, inputs, max_new_tokens)
     with vtc.patch(net, methods, retention=retention, positions=positions, processor=processor, **params) as handle:
+        # the sample stage picks the frames for both runs (and may score them, as QuoTA does)
+        with console.status("sampling frames"):
+            start = time.perf_counter()
+            inputs = handle.prepare(processor, video, question, num_frames=frames).to(device_of)
+            sample_s = time.perf_counter() - start
+        with handle.suspended():
+            with console.status("warming up"), torch.no_grad():
+                net(**inputs)
+            with console.status("answering without compression"):
+                base_ids, base_prefill, base_ttft = _generate(net, inputs, max_new_tokens)
         with console.status(f"answering with {handle.pipeline.spec}"):
             ids, prefill, ttft = _generate(net, inputs, max_new_tokens)
         stats = handle.stats()
@@ -108,6 +112,8 @@ def run(
     timing.add_row(methods, f"{prefill:.3f}", f"{ttft:.3f}")
     timing.add_row("speedup", f"{base_prefill / prefill:.2f}x", f"{base_ttft / ttft:.2f}x")
     console.print(timing)
+    if handle.pipeline.has_stage("sample"):
+        console.print(f"sample stage (frame selection before the processor): {sample_s:.2f} s")
     console.print(f"[bold]answer (no compression):[/bold] {answers['baseline']!r}")
     console.print(f"[bold]answer ({methods}):[/bold] {answers['compressed']!r}")
     if demo:
@@ -121,5 +127,6 @@ def run(
         "prefill_s": {"baseline": base_prefill, "compressed": prefill},
         "ttft_s": {"baseline": base_ttft, "compressed": ttft},
         "prefill_speedup": base_prefill / prefill,
+        "sample_s": sample_s,
         "answers": answers,
     }

@@ -359,6 +359,7 @@ def _build_llava_next_video(shape: TinySize, tokenizer):
         tokenizer=tokenizer,
         patch_size=14,
         vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,  # the CLIP tower's CLS token (what released checkpoints set)
         chat_template=LLAVA_NEXT_VIDEO_CHAT_TEMPLATE,
     )
     return LlavaNextVideoForConditionalGeneration(config), processor

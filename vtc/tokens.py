@@ -149,11 +149,14 @@ class Context:
     `sample` stage gets it from the caller, later stages from the prompt tokens. `question_ids` and the
     lazily computed `question_embeds` come from the prompt as the model tokenised it.
     `vision` holds the vision-tower attention statistics the plugin asked for (`vtc.vision`), per frame;
-    `prepool` / `pool` the pre-pooling frame features and the model's pooling (`vtc.prepool`, LLaVA only).
+    `prepool` / `pool` / `project` the pre-pooling frame features, the model's pooling and the projector still
+    to apply to them (`vtc.prepool`, LLaVA only). `extra["prepared"]` holds what the sample stage prepared
+    for this prompt in `handle.prepare` (e.g. QuoTA's frame weights).
     """
 
     retention: float | None = None
     family: str | None = None
+    video_index: int = 0  # position of this video among the videos of the current forward (0 = the first)
     question: str | None = None
     question_ids: Tensor | None = None
     embed_fn: Callable[[Tensor], Tensor] | None = None
@@ -162,6 +165,7 @@ class Context:
     vision: dict[Any, Tensor] = dataclasses.field(default_factory=dict)
     prepool: Tensor | None = None
     pool: Callable[[Tensor], Tensor] | None = None
+    project: Callable[[Tensor], Tensor] | None = None
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
     _question_embeds: Tensor | None = None
 

@@ -87,6 +87,7 @@ class VisionCapture:
             self.by_module.setdefault(modules[layer], set()).add(stat.kind)
         self.module_layer = {m: i for i, m in enumerate(modules)}
         self.calls: list[dict[str, Any]] = []
+        self.enabled = True
         self._handles: list = []
         self._config = adapter.vision_tower.config
         self._attn_before: str | None = None
@@ -112,13 +113,15 @@ class VisionCapture:
         self.calls.clear()
 
     def _start_call(self, module, args, kwargs) -> None:
+        if not self.enabled:
+            return
         pixels = args[0] if args else next(iter(kwargs.values()))
         self.calls.append({"grid_thw": kwargs.get("grid_thw"), "items": int(pixels.shape[0]), "chunks": {}})
         del self.calls[:-4]  # images and videos of one prompt; older calls are stale
 
     def attention(self, module, query, key, value, attention_mask, **kwargs):
         kinds = self.by_module.get(module)
-        if kinds and self.calls:
+        if kinds and self.calls and self.enabled:
             scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
             layer = self.module_layer[module]
             chunks = self.calls[-1]["chunks"].setdefault(layer, [])

@@ -1,0 +1,379 @@
+"""QuoTA: "Query-oriented Token Assignment via CoT Query Decouple for Long Video Comprehension" (Luo et al.,
+arXiv 2503.08689, AAAI 2026). Official code: MAC-AutoML/QuoTA (`quota_pipeline.py`, `tools/qwen2vl_batch.py`,
+`core/llava_arch.py`).
+
+Sample more frames than the model can afford (96 + 64 per hour of video), ask the LLM which objects the
+question is about (chain-of-thought query decoupling), let a VLM answer "does this frame contain ...? A. yes
+B. no" for every frame, and give each frame a share w_i = (100 p_yes)^2 / sum of a fixed token budget by
+resizing its feature map bilinearly to about `B * w_i` tokens. Stages: sample (frames, decoupling, scoring)
+and connect (per-frame resize).
+
+`quota-clip` is vtc's cheaper variant (not in the paper): CLIP (open_clip) scores the frames instead of a VLM.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import math
+import re
+from typing import Any
+
+import torch
+
+from vtc.hookspecs import hookimpl
+from vtc.registry import MethodInfo
+from vtc.video import uniform_indices
+
+# The decoupling prompt of quota_pipeline.py (the method is defined by it; reproduced verbatim in substance)
+DECOUPLE_PROMPT = """
+To answer this question, please follow the following step to give an object list for object detection.
+    Step 1: Do you think it is necessary to detect specific physical entities in the video? Please only answer "yes" or "no" in this step.
+    Step 2: If 'yes' in previous step, then what object in the video do you think needs to be detected to answer this question? Please only output the name of all the objects need to detect in the form of a Python list without other information.
+    Step 3: Filter the object list provided in step 2, make sure they are physical entities, not abstract concepts. Please only output the name of the filtered object in the form of a Python list without other information. If all the words being filtered, please only output null.
+    # Example 1:
+    Question: How many blue balloons are over the long table in the middle of the room at the end of this video? A. 1. B. 2. C. 3. D. 4.
+    Your output should be:
+    Step 1: yes
+    Step 2: ["blue ballons", "long table", "video", "blue"]
+    Step 3: ["blue ballons", "long table"]
+    # Example 2:
+    Question: In the lower left corner of the video, what color is the woman wearing on the right side of the man in black clothes? A. Blue. B. White. C. Red. D. Yellow.
+    Your output should be:
+    Step 1: yes
+    Step 2: ["the man in black", "woman", "lower left corner"]
+    Step 3: ["the man in black", "woman"]
+    # Example 3:
+    Question: In which country is the comedy featured in the video recognized worldwide? A. China. B. UK. C. Germany. D. United States.
+    Your output should be:
+    Step 1: no"""  # noqa: E501
+
+
+@dataclasses.dataclass
+class QuotaParams:
+    max_frames_num: int = 96  # base frames sampled (uniformly, force_sample)
+    additional_frames: int = 64  # extra frames per hour of video
+    enhance_tokens: int | None = None  # tokens per frame-equivalent of budget; None = the model's (196 on LLaVA-OV)
+    enhance_total: int = 64  # frame-equivalents in the budget: B = enhance_tokens * enhance_total
+    weight_scale: tuple[float, float] = (100.0, 2.0)  # w = (scale * p) ** power
+    scorer: str | None = None  # HF model answering yes/no per frame (official: Qwen2-VL-2B); None = the patched model
+    scorer_max_pixels: int = 1280 * 28 * 28  # official scorer setting (Qwen processors)
+    score_batch_size: int = 64  # frames scored per forward
+    decouple: bool = True  # CoT query decoupling with the patched model (text only)
+    decouple_max_new_tokens: int = 4096
+    clip_model: str = "ViT-B-32"  # quota-clip only: open_clip architecture
+    clip_pretrained: str | None = "openai"  # quota-clip only: open_clip weights tag (None = random, tests)
+    fixed_count: bool = False  # exactly the budget B (largest-remainder shares), for serving
+
+    def __post_init__(self):
+        if int(self.max_frames_num) < 1 or int(self.additional_frames) < 0:
+            raise ValueError("quota: max_frames_num must be >= 1 and additional_frames >= 0")
+        if int(self.enhance_total) < 1 or (self.enhance_tokens is not None and int(self.enhance_tokens) < 1):
+            raise ValueError("quota: enhance_total and enhance_tokens must be >= 1")
+        if len(tuple(self.weight_scale)) != 2:
+            raise ValueError("quota: weight_scale is (scale, power), e.g. (100, 2)")
+
+
+# --- sample stage: decoupling and scoring -----------------------------------------------------------------------
+def parse_objects(answer: str) -> list[str]:
+    """Objects from the decoupling answer: `step 1: yes` and `step 3: [...]` (the official regexes)."""
+    lowered = answer.lower()
+    step1 = re.search(r"step 1: (yes|no)", lowered)
+    if not step1 or step1.group(1) != "yes":
+        return []
+    step3 = re.search(r"step 3: (\[[^\]]*\])", lowered)
+    if not step3:
+        return []
+    try:
+        objects = ast.literal_eval(step3.group(1))  # the official code uses eval(); literal_eval is its safe subset
+    except (ValueError, SyntaxError):
+        return []
+    return [str(o) for o in objects] if isinstance(objects, (list, tuple)) else []
+
+
+def relevance_prompt(question: str, objects: list[str]) -> str:
+    """The yes/no question the scorer answers for every frame (official wording)."""
+    if objects:
+        return (
+            "Does the image contain any object of " + ", ".join(objects) + "? A. yes, B. no\n"
+            "Answer with the option's letter directly."
+        )
+    return (
+        f"{question}\nDoes the image contain sufficient information to answer the given question? A. yes, B. no\n"
+        "Answer with the option's letter directly."
+    )
+
+
+def frame_weights(scores: list[float], scale: float, power: float) -> list[float]:
+    """w_i = (scale * p_i) ** power, normalised to sum to 1 (uniform when every score is 0)."""
+    raw = [(scale * p) ** power for p in scores]
+    total = sum(raw)
+    return [w / total for w in raw] if total > 0 else [1.0 / len(raw)] * len(raw)
+
+
+def decouple_objects(model, processor, question: str, max_new_tokens: int) -> list[str]:
+    messages = [{"role": "user", "content": [{"type": "text", "text": question + DECOUPLE_PROMPT}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=[text], return_tensors="pt").to(next(model.parameters()).device)
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    tokenizer = getattr(processor, "tokenizer", processor)
+    return parse_objects(tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True))
+
+
+def vlm_yes_probabilities(model, processor, frames, prompt: str, batch_size: int, max_pixels: int) -> list[float]:
+    """P("A") at the answer position for every frame, one conversation per frame (tools/qwen2vl_batch.py)."""
+    tokenizer = getattr(processor, "tokenizer", processor)
+    answer_id = tokenizer.encode("A", add_special_tokens=False)[0]
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    extra: dict[str, Any] = {}
+    image_processor = getattr(processor, "image_processor", None)
+    if type(image_processor).__name__.startswith("Qwen"):  # the official scorer's max_pixels
+        size = image_processor.size
+        extra["images_kwargs"] = {"size": {"shortest_edge": size["shortest_edge"], "longest_edge": max_pixels}}
+    param = next(model.parameters())
+    probs: list[float] = []
+    for start in range(0, len(frames), batch_size):
+        batch = list(frames[start : start + batch_size])
+        inputs = processor(text=[text] * len(batch), images=batch, return_tensors="pt", padding=True, **extra)
+        inputs = {
+            k: v.to(param.device, param.dtype) if v.is_floating_point() else v.to(param.device)
+            for k, v in inputs.items()
+            if torch.is_tensor(v)
+        }
+        with torch.no_grad():
+            logits = model(**inputs).logits[:, -1].float()
+        probs.extend(torch.softmax(logits, dim=-1)[:, answer_id].tolist())
+    return probs
+
+
+def clip_yes_probabilities(clip, preprocess, tokenizer, frames, question: str, objects: list[str]) -> list[float]:
+    """quota-clip: CLIP zero-shot "relevant vs. anything" per frame, as P(yes)."""
+    from PIL import Image
+
+    relevant = ("a photo containing " + ", ".join(objects) + ".") if objects else question
+    device = next(clip.parameters()).device
+    with torch.no_grad():
+        images = torch.stack([preprocess(Image.fromarray(f)) for f in frames]).to(device)
+        image = torch.nn.functional.normalize(clip.encode_image(images).float(), dim=-1)
+        text_tokens = tokenizer([relevant, "a photo."]).to(device)
+        texts = torch.nn.functional.normalize(clip.encode_text(text_tokens).float(), dim=-1)
+        logits = 100.0 * image @ texts.T
+    return torch.softmax(logits, dim=-1)[:, 0].tolist()
+
+
+# --- connect stage: budgets and resizing --------------------------------------------------------------------------
+def frame_shape(count: int) -> tuple[int, int]:
+    """h x w for a frame with a budget of `count` tokens (token_compress v1): h = w = int(sqrt(n)); one more row when
+    it still fits."""
+    h = w = int(math.sqrt(count))
+    if h * w < count and (h + 1) * w <= count:
+        h += 1
+    return h, w
+
+
+def token_budgets(weights: list[float], budget: int, exact: bool) -> list[int]:
+    """Per-frame token counts: int(B * w_i) (official; frames at 0 are dropped), or with `exact` the largest-remainder
+    shares that sum to B."""
+    raw = [budget * w for w in weights]
+    counts = [int(r) for r in raw]
+    if exact:
+        order = sorted(range(len(raw)), key=lambda i: raw[i] - counts[i], reverse=True)
+        for i in order[: budget - sum(counts)]:
+            counts[i] += 1
+    return counts
+
+
+def resize_frame(grid: torch.Tensor, count: int, exact: bool) -> tuple[torch.Tensor, tuple[int, int]]:
+    """Bilinearly resize one frame's feature map grid [h0, w0, D] to the frame's budget.
+
+    Official: h x w from `frame_shape` (h*w <= count). `exact`: the smallest w = ceil(sqrt(n)), h = ceil(n / w) grid
+    with h*w >= n, cut to the first n cells in raster order. Returns ([cells, D], (h, w))."""
+    if exact:
+        w = math.ceil(math.sqrt(count))
+        h = math.ceil(count / w)
+    else:
+        h, w = frame_shape(count)
+    x = grid.permute(2, 0, 1)[None].float()
+    out = torch.nn.functional.interpolate(x, size=(h, w), mode="bilinear")[0].permute(1, 2, 0)
+    cells = out.reshape(h * w, -1).to(grid.dtype)
+    return (cells[:count] if exact else cells), (h, w)
+
+
+def anchor_cells(h: int, w: int, grid_h: int, grid_w: int) -> torch.Tensor:
+    """For each cell of an h x w resize, the nearest cell of the grid_h x grid_w token grid (row-major index):
+    where a resized token takes its position from."""
+    rows = torch.clamp(((torch.arange(h) + 0.5) * grid_h / h).long(), max=grid_h - 1)
+    cols = torch.clamp(((torch.arange(w) + 0.5) * grid_w / w).long(), max=grid_w - 1)
+    return (rows[:, None] * grid_w + cols[None, :]).flatten()
+
+
+class Quota:
+    needs_prepool = True
+
+    def __init__(self, params: QuotaParams, retention: float | None = None, scorer_kind: str = "vlm") -> None:
+        self.params = params
+        self.retention = retention
+        self.scorer_kind = scorer_kind
+        self._scorer_model = None
+        self.last_kept: list[int] = []
+        self.last_budgets: list[list[int]] = []
+
+    # sample ---------------------------------------------------------------------------------------------------
+    @hookimpl
+    def vtc_sample(self, video, ctx):
+        p = self.params
+        count = ctx.extra.get("num_frames") or p.max_frames_num + int(video.duration / 3600 * p.additional_frames)
+        indices = uniform_indices(video.num_frames, int(count))
+        if ctx.question is None:
+            raise ValueError("quota scores frames against the question: pass it to handle.prepare(...)")
+        model, processor = ctx.model, ctx.extra.get("processor")
+        objects: list[str] = []
+        if p.decouple:
+            if model is None or processor is None:
+                raise ValueError("quota's query decoupling runs the model: use handle.prepare(processor, video, q)")
+            objects = decouple_objects(model, processor, ctx.question, p.decouple_max_new_tokens)
+        frames = video.read(indices)
+        if self.scorer_kind == "clip":
+            clip, preprocess, tokenizer = self._clip_model()
+            scores = clip_yes_probabilities(clip, preprocess, tokenizer, frames, ctx.question, objects)
+        else:
+            scorer, scorer_processor = self._vlm_scorer(model, processor)
+            prompt = relevance_prompt(ctx.question, objects)
+            scores = vlm_yes_probabilities(
+                scorer, scorer_processor, frames, prompt, p.score_batch_size, p.scorer_max_pixels
+            )
+        ctx.extra["prepared"]["quota"] = {
+            "objects": objects,
+            "scores": scores,
+            "weights": frame_weights(scores, *p.weight_scale),
+        }
+        return indices
+
+    def _vlm_scorer(self, model, processor):
+        if self.params.scorer is None:
+            if model is None or processor is None:
+                raise ValueError("quota scores frames with the patched model: use handle.prepare(processor, video, q)")
+            return model, processor
+        if self._scorer_model is None:
+            from vtc.loading import load_model
+
+            self._scorer_model = load_model(self.params.scorer)
+        return self._scorer_model
+
+    def _clip_model(self):
+        return load_clip(self.params.clip_model, self.params.clip_pretrained)
+
+    # connect --------------------------------------------------------------------------------------------------
+    def budget(self, num_tokens: int, grid) -> int:
+        if self.retention is not None:
+            return max(1, round(num_tokens * self.retention))
+        per_frame = self.params.enhance_tokens or grid[1] * grid[2]
+        return per_frame * self.params.enhance_total
+
+    def retained_count(self, num_tokens: int, grid) -> int | None:
+        return self.budget(num_tokens, grid) if self.params.fixed_count else None
+
+    @hookimpl
+    def vtc_connect(self, tokens, ctx):
+        info = ctx.extra.get("prepared", {}).get("quota")
+        if info is None:
+            raise ValueError(
+                "quota assigns tokens from frame scores computed in its sample stage: build the inputs with "
+                "handle.prepare(processor, video, question) on the patched model"
+            )
+        t, h0, w0 = tokens.grid
+        if len(tokens) != t * h0 * w0:
+            raise ValueError("quota resizes whole frames: put it before other connect methods that drop tokens")
+        weights = grid_frame_weights(info["weights"], t)
+        exact = self.params.fixed_count
+        counts = token_budgets(weights, self.budget(len(tokens), tokens.grid), exact)
+        frame_maps = ctx.prepool if ctx.prepool is not None else tokens.embeds.reshape(t, h0, w0, -1)
+        pieces, anchors = [], []
+        extras: dict[str, list[torch.Tensor]] = {name: [] for name in tokens.extras}
+        for f, count in enumerate(counts):
+            if count <= 0:
+                continue  # the official code drops frames whose share rounds to zero
+            cells, (h, w) = resize_frame(frame_maps[f], count, exact)
+            pieces.append(cells)
+            anchor = f * h0 * w0 + anchor_cells(h, w, h0, w0)[: cells.shape[0]]
+            anchors.append(anchor)
+            for name, values in tokens.extras.items():
+                grid_extra = values.reshape(t, h0, w0, -1)[f]
+                extras[name].append(resize_frame(grid_extra, count, exact)[0].reshape(-1, *values.shape[1:]))
+        features = torch.cat(pieces)
+        if ctx.prepool is not None and ctx.project is not None:
+            features = ctx.project(features)
+        out = tokens.select(torch.cat(anchors).to(tokens.embeds.device))
+        out.embeds = features.to(tokens.embeds.device, tokens.embeds.dtype)
+        out.extras = {name: torch.cat(parts).to(tokens.extras[name].dtype) for name, parts in extras.items()}
+        if ctx.video_index == 0:  # a new forward: forget the previous one's counts
+            self.last_kept, self.last_budgets = [], []
+        self.last_budgets.append(counts)
+        self.last_kept.append(len(out))
+        return out
+
+
+def grid_frame_weights(weights: list[float], grid_frames: int) -> list[float]:
+    """Frame weights on the model's temporal grid: Qwen models pair frames into one temporal patch (mean of the
+    pair, the last frame repeated when the count is odd, as the processor pads it); renormalised."""
+    if len(weights) == grid_frames:
+        return list(weights)
+    group = math.ceil(len(weights) / grid_frames)
+    padded = list(weights) + [weights[-1]] * (group * grid_frames - len(weights))
+    merged = [sum(padded[i * group : (i + 1) * group]) / group for i in range(grid_frames)]
+    total = sum(merged)
+    return [m / total for m in merged]
+
+
+_CLIP_CACHE: dict[tuple[str, str | None], tuple] = {}
+
+
+def load_clip(name: str, pretrained: str | None):
+    """An open_clip model, its image preprocessing and tokenizer (loaded once per process)."""
+    key = (name, pretrained)
+    if key not in _CLIP_CACHE:
+        try:
+            import open_clip
+        except ImportError as err:
+            raise ImportError("quota-clip needs open_clip: pip install 'vtc[clip]'") from err
+        model, _, preprocess = open_clip.create_model_and_transforms(name, pretrained=pretrained)
+        _CLIP_CACHE[key] = (model.eval(), preprocess, open_clip.get_tokenizer(name))
+    return _CLIP_CACHE[key]
+
+
+class QuotaClip(Quota):
+    def __init__(self, params: QuotaParams, retention: float | None = None) -> None:
+        super().__init__(params, retention, scorer_kind="clip")
+
+
+@hookimpl
+def vtc_register_methods(registry):
+    common = dict(
+        params=QuotaParams,
+        stages=("sample", "connect"),
+        url="https://arxiv.org/abs/2503.08689",
+        fixed_count=True,
+        owns=frozenset({"frame_selection"}),
+        position_policy="compact",
+        query_aware=True,
+    )
+    registry.add(
+        MethodInfo(
+            name="quota",
+            factory=Quota,
+            paper="QuoTA: Query-oriented Token Assignment via CoT Query Decouple (AAAI 2026)",
+            summary="score frames against the question with a VLM, give relevant frames more tokens",
+            **common,
+        )
+    )
+    registry.add(
+        MethodInfo(
+            name="quota-clip",
+            factory=QuotaClip,
+            paper="QuoTA variant (vtc): CLIP frame scores instead of a VLM",
+            summary="QuoTA's budgets with CLIP (open_clip) frame relevance",
+            **common,
+        )
+    )
