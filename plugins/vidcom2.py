@@ -1,0 +1,229 @@
+"""VidCom²: "Video Compression Commander: Plug-and-Play Inference Acceleration for Video Large Language
+Models" (Liu et al., EMNLP 2025). arXiv: https://arxiv.org/abs/2505.14454. Official code:
+xuyang-liu16/VidCom2 (`token_compressor/vidcom2/vidcom2.py`, adapters in `token_compressor/models/`).
+
+Score every token by its multi-scale Gaussian similarity to the video centre and to its frame centre, on the
+lowest-variance half of the channels; frames least like the video get a larger share of the budget (softmax
+at temperature 0.01 around the ratio R); each frame keeps its k_f most distinct (lowest-score) tokens.
+Stage: connect (post-projector, post-pool features; no attention, no question).
+
+Faithful to the official code: channel selection by population variance over all tokens, `F.normalize` on
+the selected channels, centres that are not re-normalised, bandwidths 2^-3..2^1, `k_f = max(1, round(s_f t_f))`,
+ascending indices within each frame, scores in the embeddings' dtype (`compute_dtype` overrides). vtc
+differences: R = 1 keeps every token (the official budget formula would still drop 1/F of the tokens of
+the frames the softmax does not favour); frames are grouped by `tokens.frame`, so a video an earlier plugin
+already thinned works (frame centres and budgets use each frame's own token count); `fixed_count=True` turns
+on vLLM's exact count `max(T, min(int(N R), N))`, reconciled by score.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from vtc.hookspecs import hookimpl
+from vtc.registry import MethodInfo
+from vtc_kernels import reconcile_count, topk_indices
+
+Tensor = torch.Tensor
+
+DEFAULT_RATIO = 0.25  # R_RATIO / base_scale in the official scripts
+ALPHAS = (0.125, 0.25, 0.5, 1.0, 2.0)  # [2**k for k in range(-3, 2)]
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+@dataclasses.dataclass
+class VidCom2Params:
+    ratio: float | None = None  # R (R_RATIO, `base_scale`): mean fraction kept per frame; default: retention, else 0.25
+    channel_ratio: float = 0.5  # `select_low_var_channels(ratio=0.5)`: fraction of (lowest-variance) channels scored
+    temperature: float = 0.01  # `compute_scales(temp=0.01)`: softmax temperature of the frame budgets
+    alphas: tuple[float, ...] = ALPHAS  # Gaussian bandwidths alpha of `_multi_scale_gaussian`
+    fixed_count: bool = False  # exact count max(T, min(int(N R), N)) (vLLM's VidCom2), reconciled by score
+    compute_dtype: str | None = None  # None: the embeddings' dtype (as the official code); e.g. "float32"
+
+    def __post_init__(self):
+        if self.ratio is not None and not 0.0 < float(self.ratio) <= 1.0:
+            raise ValueError(f"vidcom2: ratio must be in (0, 1], got {self.ratio}")
+        if not 0.0 < float(self.channel_ratio) <= 1.0:
+            raise ValueError(f"vidcom2: channel_ratio must be in (0, 1], got {self.channel_ratio}")
+        if not float(self.temperature) > 0.0:
+            raise ValueError(f"vidcom2: temperature must be > 0, got {self.temperature}")
+        self.alphas = tuple(float(a) for a in self.alphas)
+        if not self.alphas or any(a <= 0 for a in self.alphas):
+            raise ValueError(f"vidcom2: alphas must be positive, got {self.alphas}")
+        if self.compute_dtype is not None and self.compute_dtype not in DTYPES:
+            allowed = ", ".join(sorted(DTYPES))
+            raise ValueError(f"vidcom2: compute_dtype must be None or one of {allowed}, got {self.compute_dtype}")
+
+
+# --- the algorithm, on one video's tokens -------------------------------------------------------------------------
+
+
+def low_variance_channels(x: Tensor, ratio: float = 0.5) -> Tensor:
+    """Indices of the int(D * ratio) channels with the lowest population variance over the tokens of x [N, D]."""
+    variances = x.var(dim=0, unbiased=False)
+    return torch.topk(variances, k=int(x.shape[-1] * ratio), largest=False).indices
+
+
+def multi_scale_gaussian(x: Tensor, centre: Tensor, alphas=ALPHAS) -> Tensor:
+    """sum over alpha of exp(-|x - c|^2 / (2 alpha)), row-wise: x [n, C], centre [C] or [n, C] -> [n]."""
+    dist_sq = ((x - centre) ** 2).sum(dim=-1)
+    total = torch.zeros_like(dist_sq)
+    for a in alphas:
+        total = total + torch.exp(-dist_sq / (2 * a))
+    return total
+
+
+def frame_groups(frame: Tensor) -> list[Tensor]:
+    """Token indices of each frame present in `frame` [N], frames in temporal order, indices ascending."""
+    order = torch.sort(frame, stable=True).indices
+    counts = torch.unique_consecutive(frame[order], return_counts=True)[1]
+    return list(torch.split(order, counts.tolist()))
+
+
+def gaussian_scores(x: Tensor, groups: list[Tensor], alphas=ALPHAS) -> tuple[Tensor, Tensor]:
+    """Similarity of every token of x [N, C] (already channel-selected) to the video centre and to its frame's
+    centre, after L2-normalising the tokens (centres are plain means, not re-normalised). Returns ([N], [N])."""
+    xn = F.normalize(x, dim=-1)
+    video_score = multi_scale_gaussian(xn, xn.mean(dim=0), alphas)
+    frame_score = torch.empty_like(video_score)
+    for idx in groups:
+        members = xn[idx]
+        frame_score[idx] = multi_scale_gaussian(members, members.mean(dim=0), alphas)
+    return video_score, frame_score
+
+
+def frame_scales(uniqueness: Tensor, ratio: float, temperature: float = 0.01) -> Tensor:
+    """Per-frame keep fractions s_f = min(1, R (1 + p_f - mean p)), p = softmax((u - max u) / temperature)."""
+    probs = torch.softmax((uniqueness - uniqueness.max()) / temperature, dim=0)
+    return (ratio * (1 + probs - probs.mean())).clamp(max=1.0)
+
+
+def frame_budgets(scales: Tensor, counts: list[int]) -> Tensor:
+    """k_f = max(1, round(s_f * t_f)), rounding half to even in the scales' dtype: t_f multiplies as a Python
+    int, as the official `(scales * tpf).round().long().clamp(min=1)` does (a bf16 tensor of counts would
+    not hold t_f = 729 exactly); at most t_f."""
+    if len(set(counts)) == 1:
+        products = scales * counts[0]
+    else:
+        products = torch.stack([scales[f] * c for f, c in enumerate(counts)])
+    budgets = products.round().long().clamp(min=1)
+    # a low-precision product can round past t_f (bf16: 1.0 * 731 -> 732), where the official topk would fail
+    return torch.minimum(budgets, torch.tensor(counts, device=budgets.device))
+
+
+@dataclasses.dataclass
+class VidCom2Plan:
+    """What VidCom² decided for one video."""
+
+    keep: Tensor  # kept token indices, ascending
+    scores: Tensor  # [N] V + Fm (lower = more distinct = kept first)
+    frames: list[Tensor]  # token indices of each frame present
+    budgets: list[int]  # k_f per frame (before any fixed-count reconciliation)
+
+
+def vidcom2_plan(
+    embeds: Tensor,
+    frame: Tensor,
+    ratio: float = DEFAULT_RATIO,
+    channel_ratio: float = 0.5,
+    temperature: float = 0.01,
+    alphas=ALPHAS,
+    target: int | None = None,
+) -> VidCom2Plan:
+    """VidCom² on one video: embeds [N, D] post-projector features, frame [N] temporal index of each token.
+
+    With `target`, the per-frame selection is reconciled to exactly `target` tokens: the kept tokens with the
+    highest scores are dropped, or the dropped ones with the lowest scores added (vLLM's VidCom2)."""
+    groups = frame_groups(frame)
+    x = embeds[:, low_variance_channels(embeds, channel_ratio)]
+    video_score, frame_score = gaussian_scores(x, groups, alphas)
+    uniqueness = torch.stack([-video_score[idx].mean() for idx in groups])
+    counts = [int(idx.numel()) for idx in groups]
+    budgets = frame_budgets(frame_scales(uniqueness, ratio, temperature), counts).tolist()
+    scores = video_score + frame_score
+    keep = torch.zeros(embeds.shape[0], dtype=torch.bool, device=embeds.device)
+    for idx, k in zip(groups, budgets):
+        keep[idx[topk_indices(scores[idx], k, largest=False)]] = True
+    if target is not None:
+        keep = reconcile_count(keep, -scores, target)
+    return VidCom2Plan(torch.nonzero(keep).flatten(), scores, groups, budgets)
+
+
+def fixed_target(num_tokens: int, num_frames: int, ratio: float) -> int:
+    """vLLM's VidCom2 count: max(num_frames, min(int(total * R), total)), capped at the tokens present."""
+    return max(min(num_frames, num_tokens), min(int(num_tokens * ratio), num_tokens))
+
+
+# --- the plugin -------------------------------------------------------------------------------------------------
+
+
+class VidCom2:
+    def __init__(self, params: VidCom2Params, retention: float | None = None) -> None:
+        self.params = params
+        if params.ratio is not None:
+            self.ratio = float(params.ratio)
+        else:
+            self.ratio = retention if retention is not None else DEFAULT_RATIO
+        # decisions of the last forward, one entry per video: tokens kept, per-frame budgets k_f (in the default
+        # adaptive mode a video keeps exactly sum(k_f)); and the last video's full plan
+        self.last_kept: list[int] = []
+        self.last_budgets: list[list[int]] = []
+        self.last_plan: VidCom2Plan | None = None
+
+    def retained_count(self, num_tokens: int, grid) -> int | None:
+        if self.ratio >= 1.0:
+            return num_tokens
+        if self.params.fixed_count:
+            return fixed_target(num_tokens, int(grid[0]), self.ratio)
+        return None  # per-frame rounding makes the total depend on the content
+
+    def _record(self, ctx, kept: int, budgets: list[int]) -> None:
+        if ctx.video_index == 0:  # the first video of a new forward
+            self.last_kept, self.last_budgets = [], []
+        self.last_kept.append(kept)
+        self.last_budgets.append(budgets)
+
+    @hookimpl
+    def vtc_connect(self, tokens, ctx):
+        n = len(tokens)
+        if self.ratio >= 1.0 or n == 0:
+            self._record(ctx, n, torch.unique(tokens.frame, return_counts=True)[1].tolist())
+            return tokens
+        embeds = tokens.embeds
+        if self.params.compute_dtype is not None:
+            embeds = embeds.to(DTYPES[self.params.compute_dtype])
+        target = self.retained_count(n, tokens.grid) if self.params.fixed_count else None
+        plan = vidcom2_plan(
+            embeds,
+            tokens.frame,
+            self.ratio,
+            self.params.channel_ratio,
+            self.params.temperature,
+            self.params.alphas,
+            target,
+        )
+        self.last_plan = plan
+        self._record(ctx, int(plan.keep.numel()), plan.budgets)
+        if plan.keep.numel() == n:
+            return tokens
+        return tokens.select(plan.keep)
+
+
+@hookimpl
+def vtc_register_methods(registry):
+    registry.add(
+        MethodInfo(
+            name="vidcom2",
+            factory=VidCom2,
+            params=VidCom2Params,
+            stages=("connect",),
+            paper="Video Compression Commander: Plug-and-Play Inference Acceleration for Video LLMs (EMNLP 2025)",
+            url="https://arxiv.org/abs/2505.14454",
+            summary="per-frame budgets by frame uniqueness; keep the tokens least like the video and frame centres",
+            fixed_count=True,
+            position_policy="compact",
+        )
+    )
