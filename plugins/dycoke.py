@@ -1,0 +1,335 @@
+"""DyCoke: "Dynamic Compression of Tokens for Fast Video Large Language Models" (Tao et al., CVPR 2025).
+arXiv: https://arxiv.org/abs/2411.15024. Official code: KD-TAO/DyCoke (`llava/model/llava_arch.py::dycole_ttm`,
+`llava/model/language_model/modeling_qwen2.py::PrunableDynamicCache`, `llava_qwen.py`, lmms-eval wrapper
+`lmms_eval/models/llava_onevision.py`).
+
+Two stages. (1) Temporal token merging (TTM), before the LLM: frames are taken in pairs, frame 2p+1 keeps only
+its int((1 - k) N) tokens least similar to its partner; a second pass over groups of four frames replaces frame
+i+2 by its tokens least similar to frame i. (2) Dynamic KV-cache pruning, at every decode step: the head-mean
+attention of the new token at layer L-1 over the video tokens is compared (cosine) with the previous step's;
+when it changed (< 0.9) layers >= L attend only to the top (1 - P) video tokens for this step.
+Stages: connect (TTM) + prefill hook acting during decoding (KV pruning; prefill itself is never pruned).
+
+Faithful to the official code (defaults of the lmms-eval wrapper: k = 0.7, L = 3, P = 0.8): kept tokens of a
+reduced frame in ascending-similarity order (not spatial), pair p ranked by pair p-1's similarity
+(`similarities[(i - 2) // 2]`, pair 0 by the last pair), the second pass's loop bound F - 4 (the last group of
+four is left alone), an odd last frame left out, the image span one token short of the TTM output
+(`image_token_length = len - 1`), the decode-time softmax in the model dtype, a full cache on steps whose
+attention is stable (the pruned set is never reused). vtc differences: the previous step's attention is reset
+at every prefill (the official code carries it over from the previous sample); batches (the official code is
+batch 1); fewer than 2 frames, or fewer than 5, work (the official code crashes); frames an earlier plugin
+thinned are aligned by spatial patch. Retention r maps to k = 1 - r (how the VidCom2 tables label DyCoke);
+r = 1 turns both stages off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from vtc.hookspecs import hookimpl
+from vtc.registry import MethodInfo
+
+Tensor = torch.Tensor
+
+DEFAULT_K = 0.7  # lmms-eval `dycoke_k` (the builder's own default, 0.3, is always overridden by it)
+DEFAULT_P = 0.8  # lmms-eval `dycoke_p` (the README example uses 0.7)
+
+
+@dataclasses.dataclass
+class DyCokeParams:
+    k: float | None = None  # dycoke_k: TTM merging ratio, share of a reduced frame dropped (1 - r, else 0.7)
+    layer: int = 3  # dycoke_l (L): decode steps prune the KV cache of layers >= L, ranked by layer L-1's attention
+    p: float | None = None  # dycoke_p (P, `dycoke_radio`): fraction of video tokens hidden at a decode step (0.8)
+    threshold: float = 0.9  # `config.similarity < 0.9`: prune when the step-to-step attention cosine is below it
+    shifted_pairs: bool = True  # official `similarities[(i - 2) // 2]`: pair p ranked by pair p-1 (pair 0: last)
+    drop_unpaired_frame: bool = True  # official `range(0, F - 1, 2)`: with an odd frame count the last frame is lost
+    exclude_last_token: bool = True  # official `image_token_length = len(ttm) - 1`: last video token never pruned
+
+    def __post_init__(self):
+        if self.k is not None and not 0.0 <= float(self.k) <= 1.0:
+            raise ValueError(f"dycoke: k (TTM merging ratio) must be in [0, 1], got {self.k}")
+        if self.p is not None and not 0.0 <= float(self.p) <= 1.0:
+            raise ValueError(
+                f"dycoke: p (fraction of video tokens pruned while decoding) must be in [0, 1], got {self.p}"
+            )
+        if isinstance(self.layer, bool) or int(self.layer) != self.layer or int(self.layer) < 1:
+            raise ValueError(f"dycoke: layer must be an integer >= 1 (layer-1's attention decides), got {self.layer}")
+        if not -1.0 <= float(self.threshold) <= 1.0:
+            raise ValueError(f"dycoke: threshold (a cosine similarity) must be in [-1, 1], got {self.threshold}")
+
+
+# --- temporal token merging -----------------------------------------------------------------------------------
+
+
+def ttm_frame_counts(num_frames: int, tokens_per_frame: int, k: float, drop_unpaired_frame: bool = True) -> list[int]:
+    """Tokens TTM keeps of each frame of a full grid (F frames of N tokens), as the official loops decide."""
+    n = tokens_per_frame
+    counts = [n] * num_frames
+    if k <= 0.0 or num_frames < 2:
+        return counts
+    reduced = int((1.0 - k) * n)  # official: merging_ratio = 1 - merging_ratio; int(merging_ratio * N)
+    for f in range(1, num_frames - num_frames % 2, 2):
+        counts[f] = reduced
+    if num_frames % 2 and drop_unpaired_frame:
+        counts[-1] = 0
+    for i in range(0, num_frames - 4, 4):
+        counts[i + 2] = reduced
+    return counts
+
+
+def _pair_similarity(a: Tensor, b: Tensor, pa: Tensor, pb: Tensor, normalize: bool) -> Tensor:
+    """Cosine between two frames at each spatial patch: a, b [N, D], presence pa, pb [N]. The official first
+    pass L2-normalises before `cosine_similarity`, the second does not (kept for bit-faithfulness). A patch
+    only the second frame has ranks as least similar (-inf); one it lacks can never be kept (+inf)."""
+    if normalize:
+        a, b = F.normalize(a, p=2, dim=1), F.normalize(b, p=2, dim=1)
+    sim = F.cosine_similarity(a, b, dim=1)
+    sim = sim.masked_fill(pb & ~pa, float("-inf"))
+    return sim.masked_fill(~pb, float("inf"))
+
+
+def ttm_keep(
+    x: Tensor,
+    k: float,
+    present: Tensor | None = None,
+    shifted_pairs: bool = True,
+    drop_unpaired_frame: bool = True,
+) -> list[Tensor]:
+    """DyCoke's TTM on one video. x [F, N, D] (frames x patches), present [F, N] bool (None: full grid).
+
+    Returns, per frame, the kept patch indices in the order the LLM sees them: every present patch in spatial
+    order for a fully kept frame; the int((1 - k) * count) least-similar patches in ascending-similarity order
+    (`topk(largest=False)`) for a reduced frame; nothing for a dropped unpaired last frame.
+    """
+    num_frames, n, _ = x.shape
+    if present is None:
+        present = torch.ones(num_frames, n, dtype=torch.bool, device=x.device)
+    patches = torch.arange(n, device=x.device)
+    out = [patches[present[f]] for f in range(num_frames)]
+    if k <= 0.0 or num_frames < 2:
+        return out
+    keep_ratio = 1.0 - k
+
+    def least_similar(sim: Tensor, f: int) -> Tensor:
+        sim = sim.masked_fill(~present[f], float("inf"))
+        count = int(keep_ratio * int(present[f].sum()))
+        return sim.topk(count, largest=False).indices
+
+    # first pass: pairs (2p, 2p+1); frame 2p+1 keeps its least-similar tokens
+    pairs = num_frames // 2
+    sims = [
+        _pair_similarity(x[2 * p], x[2 * p + 1], present[2 * p], present[2 * p + 1], normalize=True)
+        for p in range(pairs)
+    ]
+    for p in range(pairs):
+        # official `similarities[(i - 2) // 2]` with i = 2p: pair p - 1, and Python's -1 (the last pair) for p = 0
+        ranking = sims[(p - 1) % pairs] if shifted_pairs else sims[p]
+        out[2 * p + 1] = least_similar(ranking, 2 * p + 1)
+    if num_frames % 2 and drop_unpaired_frame:
+        out[-1] = patches[:0]
+    # second pass: groups of four, frame i+2 keeps its tokens least similar to frame i; bound F - 4 as official
+    for i in range(0, num_frames - 4, 4):
+        sim = _pair_similarity(x[i], x[i + 2], present[i], present[i + 2], normalize=False)
+        out[i + 2] = least_similar(sim, i + 2)
+    return out
+
+
+def ttm_select(
+    embeds: Tensor,
+    frame: Tensor,
+    patch: Tensor,
+    tokens_per_frame: int,
+    k: float,
+    shifted_pairs: bool = True,
+    drop_unpaired_frame: bool = True,
+) -> Tensor:
+    """TTM on a video's token list: embeds [n, D], frame [n], patch [n] (row * W + col). Frames are the distinct
+    `frame` values in temporal order; tokens are aligned across frames by patch. Returns indices into the
+    list, frame by frame, in the order `ttm_keep` gives."""
+    frames = torch.unique(frame, sorted=True)
+    num_frames, dim = frames.numel(), embeds.shape[-1]
+    fi = torch.searchsorted(frames, frame)
+    flat = fi * tokens_per_frame + patch
+    if torch.unique(flat).numel() != flat.numel():
+        raise ValueError("dycoke: two tokens of one frame share a spatial patch; TTM aligns frames by patch")
+    dense = embeds.new_zeros(num_frames * tokens_per_frame, dim)
+    dense[flat] = embeds
+    present = torch.zeros(num_frames * tokens_per_frame, dtype=torch.bool, device=embeds.device)
+    present[flat] = True
+    lookup = torch.full((num_frames * tokens_per_frame,), -1, dtype=torch.long, device=embeds.device)
+    lookup[flat] = torch.arange(flat.numel(), device=embeds.device)
+    kept = ttm_keep(
+        dense.view(num_frames, tokens_per_frame, dim),
+        k,
+        present.view(num_frames, tokens_per_frame),
+        shifted_pairs,
+        drop_unpaired_frame,
+    )
+    lookup = lookup.view(num_frames, tokens_per_frame)
+    return torch.cat([lookup[f, kept[f]] for f in range(num_frames)])
+
+
+# --- dynamic KV-cache pruning ---------------------------------------------------------------------------------
+
+
+def kv_prune(
+    attention: Tensor, previous: Tensor | None, p: float, threshold: float = 0.9
+) -> tuple[Tensor | None, float]:
+    """One decode step's decision for one sequence. attention [m]: head-mean attention of the new token over
+    the image span at layer L-1; previous [m] or None: the last step's. Returns (kept, similarity): kept =
+    indices of the int(m * (1 - p)) most attended image tokens (`topk(sorted=False)` order) when similarity <
+    threshold, else None (the whole cache, the official behaviour on stable steps)."""
+    if previous is None or previous.shape != attention.shape:
+        similarity = 0.0  # official: no previous attention -> similarity 0 -> prune
+    else:
+        similarity = float(F.cosine_similarity(attention, previous, dim=0))
+    if not similarity < threshold:
+        return None, similarity
+    count = int(attention.numel() * (1 - p))
+    return torch.topk(attention, count, sorted=False).indices, similarity
+
+
+def image_span(layout, exclude_last_token: bool = True) -> Tensor:
+    """[B, n] slots of the official image span: the video tokens, without the last one of each video when
+    `exclude_last_token` (the official `image_token_length = len(ttm_output) - 1`)."""
+    span = layout.visual & layout.valid
+    if not exclude_last_token or not bool(span.any()):
+        return span
+    span = span.clone()
+    slots = torch.arange(span.shape[1], device=span.device)
+    for b in range(span.shape[0]):
+        for v in torch.unique(layout.video[b][span[b]]).tolist():
+            last = int(slots[span[b] & (layout.video[b] == v)].max())
+            span[b, last] = False
+    return span
+
+
+# --- the plugin -------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class DecodeStep:
+    """One decode step, per batch row: cosine with the previous step (0 at the first) and how many image
+    tokens layers >= L saw (None: the full cache)."""
+
+    similarity: list[float]
+    kept: list[int | None]
+
+
+class DyCoke:
+    acts_during_decode = True
+
+    def __init__(self, params: DyCokeParams, retention: float | None = None) -> None:
+        self.params = params
+        if params.k is not None:
+            self.k = float(params.k)
+        else:
+            self.k = 1.0 - retention if retention is not None else DEFAULT_K
+        if params.p is not None:
+            self.p = float(params.p)
+        else:
+            self.p = 0.0 if (retention is not None and retention >= 1.0) else DEFAULT_P
+        self.last_kept: list[int] = []  # TTM count per video of the last forward
+        self.previous: dict[int, Tensor] = {}  # batch row -> last decode step's image attention
+        self.steps: list[DecodeStep] = []  # decode steps since the last prefill
+        self._sealed = True  # a prefill ran since the last connect call: the next connect starts a new forward
+
+    def retained_count(self, num_tokens: int, grid) -> int | None:
+        if self.k <= 0.0:
+            return num_tokens
+        t, h, w = (int(v) for v in grid)
+        if num_tokens != t * h * w:
+            return None  # an earlier plugin thinned the frames: the count depends on which tokens are left
+        return sum(ttm_frame_counts(t, h * w, self.k, self.params.drop_unpaired_frame))
+
+    @hookimpl
+    def vtc_connect(self, tokens, ctx):
+        if self._sealed:
+            self.last_kept, self._sealed = [], False
+        n = len(tokens)
+        if self.k <= 0.0 or n == 0:
+            self.last_kept.append(n)
+            return tokens
+        t, h, w = tokens.grid
+        keep = ttm_select(
+            tokens.embeds,
+            tokens.frame,
+            tokens.patch,
+            int(h) * int(w),
+            self.k,
+            self.params.shifted_pairs,
+            self.params.drop_unpaired_frame,
+        )
+        self.last_kept.append(int(keep.numel()))
+        if keep.numel() == n and bool((keep == torch.arange(n, device=keep.device)).all()):
+            return tokens
+        return tokens.select(keep)
+
+    @hookimpl
+    def vtc_prefill(self, state, ctx):
+        if state.phase == "prefill":
+            if state.layer == 0 and state.point == "layer_start":
+                self.previous, self.steps, self._sealed = {}, [], True
+            return
+        if self.p <= 0.0 or state.point != "layer_start" or state.hidden.shape[1] != 1:
+            return  # the official pruning acts only on one-token decode steps (`position_ids.shape[1] == 1`)
+        layer = int(self.params.layer)
+        if layer >= state.num_layers:
+            raise ValueError(f"dycoke: layer={layer} but the language model has only {state.num_layers} layers")
+        if state.layer == layer - 1:
+            # the official SDPA/FA2 classes return softmax(q k^T / sqrt(d)) computed in the model dtype
+            state.request_attention(num_rows=1, upcast=False)
+        elif state.layer == layer:
+            self._prune(state, layer)
+
+    def _prune(self, state, layer: int) -> None:
+        seen = state.prefill_layout(layer - 1)  # slots of layer L-1's cache, whose attention decides
+        target = state.prefill_layout(layer)  # slots of layer L's cache, where keys get hidden
+        scores = state.attention(layer - 1).mean(dim=1)[:, -1]  # [B, keys]: head mean, the new token's row
+        span = image_span(seen, self.params.exclude_last_token)
+        visible = target.valid.clone()
+        step = DecodeStep([], [])
+        pruned = False
+        for b in range(span.shape[0]):
+            slots = torch.nonzero(span[b]).flatten()
+            if slots.numel() == 0:
+                step.similarity.append(0.0)
+                step.kept.append(None)
+                continue
+            current = scores[b, slots.to(scores.device)]
+            kept, similarity = kv_prune(current, self.previous.get(b), self.p, self.params.threshold)
+            self.previous[b] = current
+            step.similarity.append(similarity)
+            step.kept.append(None if kept is None else int(kept.numel()))
+            if kept is None:
+                continue
+            dropped = torch.ones(slots.numel(), dtype=torch.bool, device=slots.device)
+            dropped[kept.to(slots.device)] = False
+            hidden_tokens = seen.index[b, slots[dropped]]
+            candidates = target.visual[b] & target.valid[b]
+            visible[b] &= ~(candidates & torch.isin(target.index[b], hidden_tokens.to(target.index.device)))
+            pruned = True
+        self.steps.append(step)
+        if pruned:
+            state.mask_keys(visible)
+
+
+@hookimpl
+def vtc_register_methods(registry):
+    registry.add(
+        MethodInfo(
+            name="dycoke",
+            factory=DyCoke,
+            params=DyCokeParams,
+            stages=("connect", "prefill"),
+            paper="DyCoke: Dynamic Compression of Tokens for Fast Video Large Language Models (CVPR 2025)",
+            url="https://arxiv.org/abs/2411.15024",
+            summary="merge tokens of paired frames by similarity; prune the video KV cache at each decode step",
+            fixed_count=True,
+            position_policy="compact",
+            query_aware=True,
+        )
+    )
