@@ -1,0 +1,546 @@
+"""HoliTom: the DP segmentation, static/dynamic split, DPC-kNN beta merge and sequential inner merge against loop
+re-derivations of the official code (cokeshao/HoliTom `holitom/llava_arch.py`, `holitom/modeling_qwen2.py`),
+and the patched model against a layer-by-layer reference of the inner merge."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from vtc_plugins.holitom import (
+    HoliTom,
+    HoliTomParams,
+    adjusted_ratio,
+    attention_on_grid,
+    dpc_knn_merge,
+    dynamic_budget,
+    frame_similarity,
+    inner_kept_count,
+    inner_merge,
+    outer_merge,
+    reconcile_plan,
+    segment_windows,
+    static_window_counts,
+)
+
+import vtc
+from tests.conftest import FAMILIES, model_and_processor, single_inputs
+from tests.reference import CAPTURED, ManualLLM, compressible_video_mask, last_rows_attention, start
+
+# --- loop re-derivations of the official functions ---------------------------------------------------------------
+
+
+def official_windows(sim: torch.Tensor, tau: float, max_window_size: int) -> tuple[list[tuple[int, int]], float]:
+    """`select_static_windows`, written with plain loops."""
+    frames, positions = sim.shape[0] + 1, sim.shape[1]
+    count = [[0.0] * frames for _ in range(frames)]
+    for s in range(frames):
+        for e in range(s + 1, frames):
+            static = sum(all(sim[t, p] > tau for t in range(s, e)) for p in range(positions))
+            count[s][e] = float(static * (e - s))
+    dp, prev = [0.0] * frames, [0] * frames
+    for i in range(frames):
+        best, best_j = (dp[i - 1] if i > 0 else 0.0), i
+        for size in range(2, min(i + 1, max_window_size) + 1):
+            j = i - size
+            value = (dp[j] if j >= 0 else 0.0) + count[j + 1][i]
+            if value > best:
+                best, best_j = value, j + 1
+        dp[i], prev[i] = best, best_j
+    out, i = [], frames - 1
+    while i >= 0:
+        out.append((prev[i], i))
+        i = prev[i] - 1
+    return out[::-1], dp[-1]
+
+
+def brute_force_saved(sim: torch.Tensor, tau: float) -> float:
+    """Best total saving over every segmentation of the frames into consecutive windows."""
+    frames, positions = sim.shape[0] + 1, sim.shape[1]
+    best = 0.0
+    for cuts in itertools.product([0, 1], repeat=frames - 1):
+        bounds = [0] + [i + 1 for i, c in enumerate(cuts) if c] + [frames]
+        total = 0.0
+        for s, e in zip(bounds[:-1], bounds[1:]):
+            e -= 1
+            static = sum(all(sim[t, p] > tau for t in range(s, e)) for p in range(positions)) if e > s else 0
+            total += static * (e - s)
+        best = max(best, total)
+    return best
+
+
+def official_dpc(x: torch.Tensor, cluster_num: int, k: int, generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """`cluster_dpc_knn` on one item (its noise drawn from `generator`)."""
+    n, dim = x.shape
+    dist = torch.cdist(x.float()[None], x.float()[None])[0] / dim**0.5
+    nearest = torch.topk(dist, k, dim=-1, largest=False).values
+    density = (-(nearest**2).mean(dim=-1)).exp()
+    density = density + torch.rand(density.shape, generator=generator, dtype=density.dtype) * 1e-6
+    mask = (density[None, :] > density[:, None]).float()
+    dist_max = dist.max()
+    delta = (dist * mask + dist_max * (1 - mask)).min(dim=-1).values
+    return torch.topk(delta * density, cluster_num).indices, dist
+
+
+def official_clustering(x, centers, dist, beta, use_beta=True) -> torch.Tensor:
+    """`merge_tokens_by_clustering` on one item: non-centres join their nearest centre (argmin), then the beta rule."""
+    others = [i for i in range(x.shape[0]) if i not in set(centers.tolist())]
+    nearest = torch.argmin(dist[others][:, centers], dim=-1)
+    out = []
+    for c in range(centers.numel()):
+        members = [others[j] for j in range(len(others)) if nearest[j] == c]
+        centre = x[centers[c]]
+        if not members:
+            out.append(centre)
+        elif use_beta:
+            out.append(beta * centre + (1 - beta) * x[members].mean(dim=0))
+        else:
+            out.append(torch.cat([centre[None], x[members]]).mean(dim=0))
+    return torch.stack(out)
+
+
+def official_outer(x, attn, retain_ratio, tau, beta=0.6, d=0.0, knn=7, max_window_size=1024, generator=None):
+    """`prepare_inputs_labels_for_multimodal` + `get_static_dynamic_features` + `holitom` on one video (one_token):
+    returns the output features and, per output, (frame, position) of its anchor."""
+    frames, positions, _ = x.shape
+    normed = F.normalize(x, p=2, dim=-1)
+    sim = F.cosine_similarity(normed[:-1], normed[1:], dim=-1)
+    windows, saved = official_windows(sim, tau, max_window_size)
+    total = frames * positions
+    ratio = min(retain_ratio / ((total - saved) / total), 1)
+    feats, anchors = [], []
+
+    def dynamic(f, pos):
+        m = len(pos)
+        keep = math.ceil(m * ratio)
+        dominant = round(keep * (1 - d))
+        contextual = keep - dominant
+        chosen = set(torch.topk(attn[f, pos], dominant).indices.tolist()) if dominant > 0 else set()
+        for j in range(m):  # masked_select: original order
+            if j in chosen:
+                feats.append(x[f, pos[j]])
+                anchors.append((f, pos[j]))
+        if contextual > 0:
+            rest = [j for j in range(m) if j not in chosen]
+            sub = x[f, [pos[j] for j in rest]]
+            centers, dist = official_dpc(sub, contextual, min(knn, contextual), generator)
+            centers = torch.sort(centers).values
+            for c, feat in zip(centers.tolist(), official_clustering(sub, centers, dist, beta)):
+                feats.append(feat)
+                anchors.append((f, pos[rest[c]]))
+
+    for s, e in windows:
+        if s == e:
+            dynamic(s, list(range(positions)))
+            continue
+        static = [p for p in range(positions) if all(sim[t, p] > tau for t in range(s, e))]
+        dyn = [p for p in range(positions) if p not in static]
+        before = len(feats)
+        for f in range(s, e + 1):
+            dynamic(f, dyn)
+        dyn_feats, dyn_anchors = feats[before:], anchors[before:]
+        del feats[before:], anchors[before:]
+        num = round(len(static) * ratio)
+        if num > 0:
+            mean = x[s : e + 1, static].mean(dim=0)
+            centers, dist = official_dpc(mean, num, min(knn, num), generator)
+            centers = torch.sort(centers).values
+            for c, feat in zip(centers.tolist(), official_clustering(mean, centers, dist, beta)):
+                feats.append(feat)
+                anchors.append((s, static[c]))
+        feats += dyn_feats
+        anchors += dyn_anchors
+    return torch.stack(feats), anchors, windows, ratio
+
+
+def official_inner(hidden, scores, slots, r):
+    """The layer-k block of `Qwen2Model_holitom.forward` on one row (literal loop, in-place update). The official
+    code takes a contiguous image span [start, start + length); `slots` generalises it to Qwen3-VL's interleaved
+    timestamps."""
+    hidden = hidden.clone()[None]
+    length = slots.numel()
+    top = slots[scores[slots].topk(round(length * (1 - r))).indices]
+    non_topk = slots[~torch.isin(slots, top)]
+    a, b = hidden[:, non_topk, :], hidden[:, top, :]
+    norms = torch.norm(a, dim=-1, keepdim=True) * torch.norm(b, dim=-1, keepdim=True).transpose(1, 2)
+    sim = torch.bmm(a, b.transpose(1, 2)) / norms
+    _, best = torch.max(sim, dim=-1)
+    for i in range(len(non_topk)):
+        t = top[best[0, i]]
+        hidden[0, t, :] = (hidden[0, t, :] + hidden[0, non_topk[i], :]) / 2
+    others = torch.ones(hidden.shape[1], dtype=torch.bool)
+    others[slots] = False
+    keep = torch.sort(torch.cat([torch.nonzero(others).flatten(), top])).values
+    return hidden[0], keep
+
+
+# --- segmentation --------------------------------------------------------------------------------------------------
+
+
+def hand_built_similarity() -> torch.Tensor:
+    """6 frames x 4 positions: frames 0-2 identical everywhere, a cut, frames 3-5 identical at positions 0 and 1."""
+    sim = torch.full((5, 4), 0.1)
+    sim[0:2] = 0.9
+    sim[3:5, :2] = 0.9
+    return sim
+
+
+def test_dp_segmentation_on_a_known_optimum():
+    sim = hand_built_similarity()
+    counts = static_window_counts(sim, 0.8)
+    assert counts[0, 2] == 4 * 2 and counts[3, 5] == 2 * 2 and counts[2, 3] == 0 and counts[1, 0] == 0
+    windows, saved = segment_windows(counts)
+    assert windows == [(0, 2), (3, 5)]
+    assert saved == 12.0
+    assert adjusted_ratio(0.25, 24, saved) == pytest.approx(0.5)
+    # windows of at most 2 frames: the best is 6 saved; ties go to the first (smallest) window that wins
+    windows2, saved2 = segment_windows(counts, max_window_size=2)
+    assert saved2 == 6.0 and all(e - s <= 1 for s, e in windows2)
+    assert (windows2, saved2) == official_windows(sim, 0.8, 2)
+    # nothing above the threshold: every frame is its own window
+    assert segment_windows(static_window_counts(torch.zeros(5, 4), 0.8))[0] == [(i, i) for i in range(6)]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_dp_segmentation_matches_loops_and_brute_force(seed):
+    g = torch.Generator().manual_seed(seed)
+    frames, positions = 7, 5
+    sim = torch.rand(frames - 1, positions, generator=g) * 0.4 + 0.6  # many steps above tau = 0.8
+    counts = static_window_counts(sim, 0.8)
+    windows, saved = segment_windows(counts)
+    assert (windows, saved) == official_windows(sim, 0.8, 1024)
+    assert saved == brute_force_saved(sim, 0.8)
+    assert [w[0] for w in windows][0] == 0 and windows[-1][1] == frames - 1
+    assert all(b[0] == a[1] + 1 for a, b in zip(windows[:-1], windows[1:]))
+
+
+def test_frame_similarity_is_the_official_normalised_cosine():
+    x = torch.randn(4, 6, 8, generator=torch.Generator().manual_seed(0))
+    normed = F.normalize(x, p=2, dim=-1)
+    expected = torch.stack([F.cosine_similarity(normed[t], normed[t + 1], dim=-1) for t in range(3)])
+    torch.testing.assert_close(frame_similarity(x), expected)
+
+
+# --- clustering, budgets, the whole outer merge ------------------------------------------------------------------
+
+
+def test_beta_merge_of_two_obvious_clusters():
+    x = torch.tensor([[0.0, 0.0], [0.1, 0.0], [0.0, 0.1], [5.0, 5.0], [5.2, 5.0]])
+    cl = dpc_knn_merge(x, 2, knn=7, beta=0.6, use_beta=True, generator=torch.Generator().manual_seed(0))
+    assert cl.labels[:3].unique().numel() == 1 and cl.labels[3:].unique().numel() == 1
+    for c, centre in enumerate(cl.centers.tolist()):
+        members = [i for i in range(5) if cl.labels[i] == c and i != centre]
+        expected = 0.6 * x[centre] + 0.4 * x[members].mean(dim=0)
+        torch.testing.assert_close(cl.embeds[c], expected)
+        # the linear form gives the same features
+        linear = cl.keep_weight[c] * x[centre] + (cl.member_weight[members][:, None] * x[members]).sum(0)
+        torch.testing.assert_close(linear, expected)
+    plain = dpc_knn_merge(x, 2, knn=7, beta=0.6, use_beta=False, generator=torch.Generator().manual_seed(0))
+    first = plain.centers[0].item()
+    group = [i for i in range(5) if plain.labels[i] == 0]
+    torch.testing.assert_close(plain.embeds[0], x[group].mean(dim=0))
+    assert first in group
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_dpc_knn_merge_matches_the_official_functions(seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(20, 6, generator=g)
+    for clusters in (1, 3, 9):
+        cl = dpc_knn_merge(x, clusters, knn=7, beta=0.6, use_beta=True, generator=torch.Generator().manual_seed(1))
+        centers, dist = official_dpc(x, clusters, min(7, clusters), torch.Generator().manual_seed(1))
+        centers = torch.sort(centers).values
+        assert cl.centers.tolist() == centers.tolist()
+        torch.testing.assert_close(cl.embeds, official_clustering(x, centers, dist, 0.6))
+
+
+def test_dynamic_budget_uses_ceil_then_round():
+    assert dynamic_budget(196, 0.1, 0.0) == (20, 0)  # ceil(19.6)
+    assert dynamic_budget(10, 0.25, 0.5) == (2, 1)  # keep ceil(2.5) = 3, dominant round(1.5) = 2
+    assert dynamic_budget(0, 0.3, 0.0) == (0, 0)
+
+
+def static_video(seed: int, frames=6, positions=9, dim=8) -> tuple[torch.Tensor, torch.Tensor]:
+    """A video whose first 3 frames share 5 positions, a cut, then 3 frames sharing 3 positions."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(frames, positions, dim, generator=g, dtype=torch.float64)
+    x[1:3, :5] = x[0, :5] + 0.01 * torch.randn(2, 5, dim, generator=g, dtype=torch.float64)
+    x[4:6, :3] = x[3, :3] + 0.01 * torch.randn(2, 3, dim, generator=g, dtype=torch.float64)
+    attn = torch.rand(frames, positions, generator=g, dtype=torch.float64)
+    return x, attn
+
+
+def apply_linear(plan, x):
+    flat = x.reshape(-1, x.shape[-1])
+    out = flat[plan.anchors] * plan.keep_weight[:, None].to(x.dtype)
+    return out.index_add(0, plan.dst, flat[plan.src] * plan.src_weight[:, None].to(x.dtype))
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("d", [0.0, 0.5])
+def test_outer_merge_matches_the_official_pipeline(seed, d):
+    x, attn = static_video(seed)
+    plan = outer_merge(x, attn, 0.3, 0.8, d=d, generator=torch.Generator().manual_seed(0))
+    feats, anchors, windows, ratio = official_outer(x, attn, 0.3, 0.8, d=d, generator=torch.Generator().manual_seed(0))
+    assert plan.windows == windows and plan.ratio == ratio
+    assert [(a // 9, a % 9) for a in plan.anchors.tolist()] == anchors
+    torch.testing.assert_close(plan.embeds, feats)
+    torch.testing.assert_close(apply_linear(plan, x), feats)  # what tokens.merge applies to side features
+
+
+def test_outer_order_static_first_then_each_frame():
+    x, attn = static_video(0)
+    plan = outer_merge(x, attn, 0.5, 0.8, generator=torch.Generator().manual_seed(0))
+    assert plan.windows == [(0, 2), (3, 5)]
+    frames = (plan.anchors // 9).tolist()
+    pos = (plan.anchors % 9).tolist()
+    static_first = round(5 * plan.ratio)
+    # window 0: static clusters anchored on frame 0 at static positions (< 5), then dynamic frames 0, 1, 2
+    assert frames[:static_first] == [0] * static_first and all(p < 5 for p in pos[:static_first])
+    dyn = frames[static_first : static_first + 3 * math.ceil(4 * plan.ratio)]
+    assert dyn == sorted(dyn) and set(dyn) == {0, 1, 2}
+    assert all(p >= 5 for p in pos[static_first : static_first + len(dyn)])
+
+
+def test_fixed_count_reconciles_both_ways():
+    x, attn = static_video(1)
+    plan = outer_merge(x, attn, 0.3, 0.8, generator=torch.Generator().manual_seed(0))
+    for target in (len(plan) - 3, len(plan) + 4):
+        fixed = reconcile_plan(plan, target, x, attn, plan.windows)
+        assert len(fixed) == target
+        assert fixed.anchors.unique().numel() == target
+        torch.testing.assert_close(apply_linear(fixed, x), fixed.embeds)
+        assert torch.equal(fixed.key, torch.sort(fixed.key).values)
+    # a fully static video caps r' at 1 and keeps fewer tokens than R N: tokens are added
+    still = x[:1].expand(6, -1, -1).clone()
+    plan = outer_merge(still, attn, 0.5, 0.8, generator=torch.Generator().manual_seed(0))
+    assert plan.windows == [(0, 5)] and plan.ratio == 1 and len(plan) == 9
+    assert len(reconcile_plan(plan, 27, still, attn, plan.windows)) == 27
+
+
+def test_attention_pooled_to_the_token_grid():
+    received = torch.rand(3, 27 * 27)
+    pooled = attention_on_grid(received, 14, 14, "bilinear")
+    expected = F.interpolate(received.reshape(3, 1, 27, 27), size=(14, 14), mode="bilinear").reshape(3, 196)
+    torch.testing.assert_close(pooled, expected)
+    clip = torch.rand(2, 1 + 24 * 24)
+    pooled = attention_on_grid(clip, 12, 12, "average")
+    expected = F.avg_pool2d(clip[:, 1:].reshape(2, 1, 24, 24), 2).reshape(2, 144)
+    torch.testing.assert_close(pooled, expected)
+    qwen = torch.rand(4, 12 * 12)
+    assert torch.equal(attention_on_grid(qwen, 12, 12, "bilinear"), qwen)
+
+
+# --- inner merge -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sequential_inner_merge_matches_the_official_loop(dtype):
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(40, 16, generator=g).to(dtype)
+    hidden[10:30:3] = hidden[12]  # several sources share a target: the sequential order matters
+    scores = torch.rand(40, generator=g)
+    slots = torch.arange(5, 35)
+    new, top, dropped = inner_merge(hidden, scores, slots, 15)
+    ref, keep = official_inner(hidden, scores, slots, 0.5)
+    assert torch.equal(new, ref)  # bit-identical, rounding of every step included
+    assert sorted(set(range(40)) - set(dropped.tolist())) == keep.tolist()
+    # closed form of the sequential rule: later sources weigh more
+    t = top[0]
+    a, b = hidden[dropped].float(), hidden[top].float()
+    sim = (a @ b.T) / (a.norm(dim=-1)[:, None] * b.norm(dim=-1)[None])
+    sources = [s for s, j in zip(dropped.tolist(), sim.argmax(-1).tolist()) if top[j] == t]
+    m = len(sources)
+    closed = hidden[t].float() / 2**m + sum(hidden[s].float() / 2 ** (m - i) for i, s in enumerate(sources))
+    if dtype == torch.float32:
+        torch.testing.assert_close(new[t], closed)
+
+
+def test_inner_kept_count():
+    assert inner_kept_count(397, 0.5) == 198  # round(198.5) = 198 (Python rounds halves to even)
+    assert inner_kept_count(1, 0.5) == 1 and inner_kept_count(0, 0.5) == 0
+
+
+def holitom_inner_reference(model, inputs, k, r, new_tokens=None, decision=None):
+    """The official inner merge, batch 1, on the model's full visual tokens: layers < k unchanged; at layer k keep
+    the top round(N (1 - r)) by the head-mean last-token attention of layer k - 1, fold the others in sequentially,
+    drop them (positions kept)."""
+    prompt_len = inputs["input_ids"].shape[1]
+    ref, inputs, x, hidden, cos, sin, visual = start(model, inputs, new_tokens)
+    with ref.capturing(), torch.no_grad():
+        for i in range(len(ref.layers)):
+            if i == k:
+                if decision is None:
+                    query, key = CAPTURED[k - 1]
+                    probs = last_rows_attention(query[:, :, :prompt_len], key[:, :, :prompt_len], 1, upcast=True)
+                    decision = probs.mean(dim=1)[0, -1]
+                vis = torch.nonzero(visual[:prompt_len]).flatten()
+                merged, keep = official_inner(hidden[0], decision, vis, r)
+                keep = keep[keep < prompt_len]
+                full_keep = torch.cat([keep, torch.arange(prompt_len, hidden.shape[1])])
+                hidden, cos, sin = merged[None][:, full_keep], cos[:, full_keep], sin[:, full_keep]
+            hidden = ref.attention_block(i, hidden, cos, sin)
+            hidden = ref.mlp_block(i, hidden)
+            hidden = ref.deepstack(i, hidden, x.get("visual_pos_masks", [None])[0], x.get("deepstack_visual_embeds"))
+        return ref.logits(hidden), decision
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_inner_merge_matches_reference_prefill_and_decode(family):
+    model, _ = model_and_processor(family)
+    inputs = single_inputs(family)
+    ref_logits, decision = holitom_inner_reference(model, inputs, k=2, r=0.5)
+    n_visual = int(compressible_video_mask(model, inputs["input_ids"]).sum())
+    with vtc.patch(model, "holitom", retain_ratio=1.0, r=0.5, k=2) as handle:  # inner merge only
+        with torch.no_grad():
+            out = model(**inputs).logits
+        stats = handle.stats()
+        assert stats.llm_tokens_in == n_visual
+        assert stats.layer_visual_tokens == [n_visual] * 2 + [round(n_visual * 0.5)] * 2
+        assert handle.retained_count(stats.grids[0]) == stats.visual_tokens_out
+        gen = model.generate(
+            **inputs, max_new_tokens=3, do_sample=False, output_logits=True, return_dict_in_generate=True
+        )
+    torch.testing.assert_close(out[:, -1], ref_logits[:, -1], atol=2e-5, rtol=1e-4)
+    new = gen.sequences[:, inputs["input_ids"].shape[1] :]
+    for step in (1, 2):
+        step_logits, _ = holitom_inner_reference(model, inputs, 2, 0.5, new_tokens=new[:, :step], decision=decision)
+        torch.testing.assert_close(gen.logits[step], step_logits[:, -1], atol=2e-5, rtol=1e-4)
+
+
+def layer0_inputs(model, inputs, **params):
+    """(hidden, cos, sin) entering decoder layer 0 of the patched model (the outer merge's output)."""
+    seen = {}
+
+    def probe(module, args, kwargs):
+        seen.setdefault("x", (args[0] if args else kwargs["hidden_states"], kwargs["position_embeddings"]))
+
+    layer0 = vtc.api.resolve_adapter(model).decoder_layers[0]
+    with vtc.patch(model, "holitom", **params) as handle:
+        hook = layer0.register_forward_pre_hook(probe, with_kwargs=True)
+        try:
+            with torch.no_grad():
+                model(**inputs)
+        finally:
+            hook.remove()
+        plugin = handle.pipeline.entries[-1].plugin
+    hidden, (cos, sin) = seen["x"]
+    return hidden, cos, sin, plugin
+
+
+@pytest.mark.parametrize("family", ["llava_onevision", "qwen2_vl"])
+def test_outer_then_inner_matches_reference(family):
+    """Both stages: the outer merge's output (captured with the inner merge off, same seed) run through the
+    reference layers with the inner merge at layer k."""
+    model, _ = model_and_processor(family)
+    inputs = single_inputs(family)
+    hidden, cos, sin, outer = layer0_inputs(model, inputs, retention=0.25, r=0.0, k=2)
+    kept_outer = outer.last_kept[0]
+    assert kept_outer == len(outer.last_plans[-1])
+    ref = ManualLLM(model)
+    adapter = vtc.api.resolve_adapter(model)
+    video_id = adapter.video_token_id
+    # visual slots of the compressed prompt: the first `kept_outer` video placeholders (the newline is text)
+    first = int(torch.nonzero(inputs["input_ids"][0] == video_id)[0])
+    with ref.capturing(), torch.no_grad():
+        for i in range(len(ref.layers)):
+            if i == 2:
+                query, key = CAPTURED[1]
+                scores = last_rows_attention(query, key, 1, upcast=True).mean(dim=1)[0, -1]
+                slots = torch.arange(first, first + kept_outer)
+                merged, keep = official_inner(hidden[0], scores, slots, 0.5)
+                hidden, cos, sin = merged[None][:, keep], cos[:, keep], sin[:, keep]
+            hidden = ref.attention_block(i, hidden, cos, sin)
+            hidden = ref.mlp_block(i, hidden)
+        ref_logits = ref.logits(hidden)
+    with vtc.patch(model, "holitom", retention=0.25, k=2) as handle:
+        with torch.no_grad():
+            out = model(**inputs).logits
+        stats = handle.stats()
+        plugin = handle.pipeline.entries[-1].plugin
+    assert stats.llm_tokens_in == kept_outer
+    assert stats.layer_visual_tokens == [kept_outer] * 2 + [round(kept_outer * 0.5)] * 2
+    assert plugin.last_kept == [stats.visual_tokens_out]
+    torch.testing.assert_close(out[:, -1], ref_logits[:, -1], atol=2e-5, rtol=1e-4)
+
+
+# --- parameters, retention, counts ---------------------------------------------------------------------------------
+
+
+def test_defaults_and_retention_mapping():
+    p = HoliTomParams()
+    assert (p.k, p.beta, p.d, p.knn, p.max_window_size, p.use_beta, p.fixed_count) == (
+        18,
+        0.6,
+        0.0,
+        7,
+        1024,
+        True,
+        False,
+    )
+    default = HoliTom(p, None)
+    assert (default.retain_ratio, default.tau, default.r) == (0.15, 0.80, 0.5)
+    assert (HoliTom(p, 0.10).retain_ratio, HoliTom(p, 0.10).tau) == (0.10, 0.65)  # the scripts' 10% run
+    for retention in (0.15, 0.20, 0.25):
+        assert (HoliTom(p, retention).retain_ratio, HoliTom(p, retention).tau) == (retention, 0.80)
+    explicit = HoliTom(HoliTomParams(retain_ratio=0.2, tau=0.7, r=0.25), 0.1)
+    assert (explicit.retain_ratio, explicit.tau, explicit.r) == (0.2, 0.7, 0.25)
+    identity = HoliTom(p, 1.0)
+    assert identity.r == 0.0 and not identity.outer_active and identity.vision_stats("qwen2_vl") == []
+    assert identity.retained_count(1568, (8, 14, 14)) == 1568
+    with pytest.raises(ValueError, match="retain_ratio"):
+        HoliTomParams(retain_ratio=0.0)
+    with pytest.raises(ValueError, match="r \\(fraction merged"):
+        HoliTomParams(r=1.0)
+    with pytest.raises(ValueError, match="k must be >= 1"):
+        HoliTomParams(k=0)
+
+
+def test_fixed_count_depends_only_on_the_grid():
+    plugin = HoliTom(HoliTomParams(fixed_count=True), 0.25)
+    assert plugin.retained_count(1568, (8, 14, 14)) == inner_kept_count(392, 0.5) == 196
+    assert HoliTom(HoliTomParams(), 0.25).retained_count(1568, (8, 14, 14)) is None  # adaptive default
+    assert HoliTom(HoliTomParams(fixed_count=True, r=0.0), 0.25).retained_count(1568, (8, 14, 14)) == 392
+    for family in ("llava_onevision", "qwen2_5_vl"):
+        model, _ = model_and_processor(family)
+        with vtc.patch(model, "holitom", retention=0.25, k=2, fixed_count=True) as handle:
+            for which in (0, 1):
+                with torch.no_grad():
+                    model(**single_inputs(family, which))
+                stats = handle.stats()
+                t, h, w = stats.grids[0]
+                assert stats.llm_tokens_in == round(t * h * w * 0.25)
+                assert stats.visual_tokens_out == handle.retained_count(stats.grids[0])
+
+
+def test_connect_returns_the_input_at_full_retention():
+    from vtc.tokens import Context, VideoTokens
+
+    plugin = HoliTom(HoliTomParams(), 1.0)
+    ones = torch.ones(4, dtype=torch.long)
+    tokens = VideoTokens(torch.randn(4, 2), torch.arange(4), ones * 0, ones * 0, torch.arange(4), ones, (1, 1, 4))
+    assert plugin.vtc_connect(tokens, Context()) is tokens
+
+
+def test_k_beyond_the_model_is_a_clear_error():
+    model, _ = model_and_processor("qwen2_vl")
+    with vtc.patch(model, "holitom", retention=0.25, k=4):
+        with pytest.raises(ValueError, match=r"holitom: k=4 but the language model has only 4 layers"):
+            model(**single_inputs("qwen2_vl"))
+
+
+def test_end_to_end_stats():
+    model, _ = model_and_processor("llava_onevision")
+    with vtc.patch(model, "holitom", retention=0.25, k=2) as handle:
+        with torch.no_grad():
+            model(**single_inputs("llava_onevision"))
+        stats = handle.stats()
+        plugin = handle.pipeline.entries[-1].plugin
+    plan = plugin.last_plans[-1]
+    assert stats.visual_tokens_in == 8 * 14 * 14
+    assert stats.llm_tokens_in == len(plan) < stats.visual_tokens_in
+    assert stats.visual_tokens_out == round(len(plan) * 0.5) == sum(plugin.last_kept)
+    assert plan.windows[0][0] == 0 and plan.windows[-1][1] == 7
