@@ -1,0 +1,730 @@
+"""AOT: "Token Reduction via Local and Global Contexts Optimization for Efficient Video Large Language Models"
+(Li, Jiang, Zhang, Sebe; CVPR 2026). arXiv: https://arxiv.org/abs/2603.01400. Official code: TyroneLi/AOT
+(`LLaVA-NeXT/llava/model/llava_arch.py`: `window_cls_selection_siglip`, `token_merging_siglip_with_OTA`,
+`Sinkhorn_v1`, `ota_merge_N_to_M_time`, `encode_images_siglip_OTA`, `get_2dPool_index`, the patched
+`prepare_inputs_labels_for_multimodal` with `temporal_ota_merge`; `scripts/eval_ov-7b.sh`, `eval_vid-7b.sh`).
+
+Intra-frame: pick token anchors per frame (local ones per 3x3 window by shallow vision-tower attention, global
+ones by deep attention), fold every other token into the anchors with Sinkhorn optimal transport (blended with
+a nearest-neighbour merge), then pool and keep the cells the pooled anchor mask covers. Inter-frame: in each
+clip the first frame's tokens are anchors; later frames' well-matched tokens are transported into them, the
+KEEP_RATIO least-matched stay as residuals. Stage: connect (needs vision-tower attention and, on LLaVA, the
+pre-pool 27x27 grid).
+
+Faithful to the official code: window top-k by the layer-5 "received" map and global top-k by the layer -2 map
+with the local picks zeroed; cost (1 - cos) + 0.5 * spatial distance on a [0, 1]^2 grid; `Sinkhorn_v1` with
+eps 0.1, 100 iterations, tol 1e-2, one stop criterion shared by all frames of the video; the OT update with
+scale 1.0 (INTRA_SCALE is ignored, as in the code), 0.1 * nearest-neighbour + 0.9 * OT written back into the
+pre-pool grid; the model's pooling; the pooled float mask >= 0.5; the time cost 1 - exp(-dt^2 / (2 * 1.5^2)),
+`quantile(pmax, KEEP_RATIO)` residuals, cumulative anchor updates, the per-clip order [anchors ; residuals
+f1 ; ... ; merged anchors] with the anchor frame twice; OT arithmetic in the model dtype. vtc differences:
+clips of F // 8 frames for any frame count (official: 32 or 64 frames only); the model's newline token
+stays (the official line that would append it does not parse); on LLaVA-NeXT-Video the OT runs on CLIP
+features (its pooling precedes the projector); on Qwen families (no pre-pool grid) anchors and OT run on the
+LLM token grid and the anchors are kept (no pooling mask). See docs/methods/aot.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+
+from vtc.hookspecs import hookimpl
+from vtc.registry import MethodInfo
+from vtc.vision import VisionStat
+from vtc_kernels import reconcile_count, sinkhorn
+
+Tensor = torch.Tensor
+
+SIGLIP_TOKENS = 729  # 27 x 27: the grid VISUAL_TOKEN_NUM counts on
+# the two LLaVA-OV-7B settings of scripts/eval_ov-7b.sh (VISUAL_TOKEN_NUM, KEEP_RATIO); both are the runs the
+# repo's logs and the paper's table label "10 %"
+SETTINGS = {"mvbench": (126, 0.3), "videomme": (108, 0.1)}
+NOMINAL_RETENTION = 0.10
+OFFICIAL_CLIP = 4  # 32 input frames -> clips of 4 (64 -> 8): F // 8
+# scripts/eval_vid-7b.sh (LLaVA-Video-7B, no inter-frame step): VISUAL_TOKEN_NUM 180, logged as "25 %"
+NO_INTER_POINT = (180, 0.25)
+PREPOOL_FAMILIES = ("llava_onevision", "llava_next_video")
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+@dataclasses.dataclass
+class AOTParams:
+    visual_token_num: int | None = None  # VISUAL_TOKEN_NUM: anchors per frame, counted on 27 x 27 = 729 tokens
+    keep_ratio: float | None = None  # KEEP_RATIO: fraction of a later frame's tokens kept as residuals
+    setting: str = "mvbench"  # eval_ov-7b.sh: "mvbench" (MVBench/EgoSchema: 126/0.3), "videomme" (VMME/LVB: 108/0.1)
+    global_ratio: float = 0.5  # GLOBAL_RATIO: share of the anchors chosen globally (deep attention)
+    inter_compress: bool | None = None  # INTER_COMPRESS; None: on, except llava_next_video (eval_vid-7b.sh: off)
+    clip_frames: int | None = None  # frames per clip; None: max(1, T // 8) (official: 4 for 32 frames, 8 for 64)
+    inter_scale: float = 1.0  # INTER_SCALE: step size of the inter-frame anchor update
+    intra_scale: float = 1.0  # INTRA_SCALE: ignored, as in the code (`token_merging_siglip_with_OTA` sets 1.0)
+    epsilon: float = 0.1  # eps: Sinkhorn entropic regularisation (both steps)
+    max_iter: int = 100  # Sinkhorn iterations
+    tol: float = 1e-2  # Sinkhorn stop: mean |r - r_prev| below this
+    spatial_weight: float = 0.5  # weight of the spatial distance in the intra-frame cost
+    nn_weight: float = 0.1  # blend: nn_weight * nearest-neighbour merge + (1 - nn_weight) * OT merge
+    sigma_t: float = 1.5  # sigma_t of the time cost 1 - exp(-dt^2 / (2 sigma_t^2))
+    shallow_layer: int = 5  # `image_attentions[5]`: local anchors
+    deep_layer: int = -2  # `image_attentions[-2]`: global anchors
+    windows: int = 3  # windows per side (27 / 9 = 3 windows of 9 x 9)
+    fixed_count: bool = False  # exact, content-independent count (reconciled by score)
+    compute_dtype: str | None = None  # None: the features' (model) dtype, as the official code
+
+    def __post_init__(self):
+        if self.visual_token_num is not None and not 1 <= int(self.visual_token_num) <= SIGLIP_TOKENS:
+            raise ValueError(f"aot: visual_token_num must be in [1, 729], got {self.visual_token_num}")
+        if self.keep_ratio is not None and not 0.0 <= float(self.keep_ratio) <= 1.0:
+            raise ValueError(f"aot: keep_ratio must be in [0, 1], got {self.keep_ratio}")
+        if self.setting not in SETTINGS:
+            raise ValueError(f"aot: setting must be one of {', '.join(SETTINGS)}, got {self.setting!r}")
+        if not 0.0 <= float(self.global_ratio) <= 1.0:
+            raise ValueError(f"aot: global_ratio must be in [0, 1], got {self.global_ratio}")
+        if self.clip_frames is not None and int(self.clip_frames) < 1:
+            raise ValueError(f"aot: clip_frames must be >= 1, got {self.clip_frames}")
+        for name in ("inter_scale", "intra_scale"):
+            if float(getattr(self, name)) < 0.0:
+                raise ValueError(f"aot: {name} must be >= 0, got {getattr(self, name)}")
+        for name in ("epsilon", "sigma_t"):
+            if not float(getattr(self, name)) > 0.0:
+                raise ValueError(f"aot: {name} must be > 0, got {getattr(self, name)}")
+        if int(self.max_iter) < 1:
+            raise ValueError(f"aot: max_iter must be >= 1, got {self.max_iter}")
+        if float(self.tol) < 0.0 or float(self.spatial_weight) < 0.0:
+            raise ValueError("aot: tol and spatial_weight must be >= 0")
+        if not 0.0 <= float(self.nn_weight) <= 1.0:
+            raise ValueError(f"aot: nn_weight must be in [0, 1], got {self.nn_weight}")
+        if int(self.windows) < 1:
+            raise ValueError(f"aot: windows must be >= 1, got {self.windows}")
+        if self.compute_dtype is not None and self.compute_dtype not in DTYPES:
+            allowed = ", ".join(sorted(DTYPES))
+            raise ValueError(f"aot: compute_dtype must be None or one of {allowed}, got {self.compute_dtype}")
+
+
+# --- budgets ------------------------------------------------------------------------------------------------------
+
+
+def inter_factor(clip: int, keep_ratio: float) -> float:
+    """Tokens the inter-frame step emits per input token when every frame keeps as many (estimate): a clip of
+    s frames emits the anchor frame twice plus KEEP_RATIO of the s - 1 others."""
+    return 1.0 if clip <= 1 else (2.0 + keep_ratio * (clip - 1)) / clip
+
+
+def visual_token_num_for(retention: float, setting: str, keep_ratio: float, clip: int, inter: bool) -> int:
+    """VISUAL_TOKEN_NUM for a retention. With the inter-frame step, the official "10 %" point of `setting`
+    (126/0.3 or 108/0.1 at 32 frames) scales linearly with the retention and with the clip length's inter
+    factor; without it, eval_vid-7b.sh's point (180 at "25 %") scales linearly."""
+    if inter and clip > 1:
+        v10, k10 = SETTINGS[setting]
+        v = v10 * (retention / NOMINAL_RETENTION) * inter_factor(OFFICIAL_CLIP, k10) / inter_factor(clip, keep_ratio)
+    else:
+        v = NO_INTER_POINT[0] * retention / NO_INTER_POINT[1]
+    return int(min(SIGLIP_TOKENS, max(1, round(v))))
+
+
+def scaled_token_num(visual_token_num: int, h: int, w: int) -> int:
+    """VISUAL_TOKEN_NUM (out of 729) on an h x w grid: the same fraction of its tokens."""
+    return visual_token_num if h * w == SIGLIP_TOKENS else max(1, round(visual_token_num * h * w / SIGLIP_TOKENS))
+
+
+def anchor_budget(visual_token_num: int, global_ratio: float, windows: int = 3) -> tuple[int, int]:
+    """(local anchors per window, global anchors): `int(V (1 - g)) // windows^2` and `V - int(V (1 - g))`."""
+    local_total = int(visual_token_num * (1 - global_ratio))
+    return local_total // (windows * windows), visual_token_num - local_total
+
+
+def window_bounds(size: int, windows: int = 3) -> list[tuple[int, int]]:
+    """Row (or column) ranges of `windows` bands: 27 -> [0, 9), [9, 18), [18, 27); any size in near-equal bands."""
+    edges = [(i * size) // windows for i in range(windows + 1)]
+    return [(edges[i], edges[i + 1]) for i in range(windows)]
+
+
+def anchors_on_grid(visual_token_num: int, global_ratio: float, h: int, w: int, windows: int = 3) -> int:
+    """Anchors `select_anchors` picks on a full h x w grid (windows smaller than their quota give all cells)."""
+    per_window, num_global = anchor_budget(visual_token_num, global_ratio, windows)
+    local = sum(
+        min(per_window, (r1 - r0) * (c1 - c0))
+        for r0, r1 in window_bounds(h, windows)
+        for c0, c1 in window_bounds(w, windows)
+    )
+    return local + min(num_global, h * w - local)
+
+
+def residual_count(n: int, keep_ratio: float) -> int:
+    """Tokens strictly below the linear-interpolation `quantile(pmax, keep_ratio)` of n distinct values."""
+    return 0 if n <= 1 else min(n, math.ceil(keep_ratio * (n - 1)))
+
+
+def clip_segments(num_frames: int, clip: int) -> list[tuple[int, int]]:
+    """(first frame, length) of each clip: consecutive runs of `clip` frames (the last one may be shorter)."""
+    return [(start, min(clip, num_frames - start)) for start in range(0, num_frames, clip)]
+
+
+def fixed_total(frame_count: int, num_frames: int, clip: int, keep_ratio: float, inter: bool) -> int:
+    """Tokens of a video whose frames all keep `frame_count` tokens, after the inter-frame step."""
+    if not inter or clip <= 1:
+        return num_frames * frame_count
+    total = 0
+    for _, length in clip_segments(num_frames, clip):
+        total += frame_count
+        if length > 1:
+            total += frame_count + (length - 1) * residual_count(frame_count, keep_ratio)
+    return total
+
+
+# --- intra-frame: anchors and OT merge ----------------------------------------------------------------------------
+
+
+def select_anchors(
+    shallow: Tensor,
+    deep: Tensor,
+    h: int,
+    w: int,
+    per_window: int,
+    num_global: int,
+    windows: int = 3,
+    valid: Tensor | None = None,
+) -> Tensor:
+    """Anchor mask [F, h*w]: in each of windows x windows windows the top `per_window` tokens by the shallow
+    map; then, with those zeroed in the deep map, the top `num_global` by the deep map. `valid` [F, h*w]
+    marks tokens that exist (absent ones are never picked)."""
+    frames, length = shallow.shape
+    mask = torch.zeros(frames, length, dtype=torch.bool, device=shallow.device)
+    cell = torch.arange(length, device=shallow.device).view(h, w)
+    if per_window > 0:
+        for r0, r1 in window_bounds(h, windows):
+            for c0, c1 in window_bounds(w, windows):
+                cells = cell[r0:r1, c0:c1].reshape(-1)  # row-major within the window, as the official loop
+                if cells.numel() == 0:
+                    continue
+                scores = shallow[:, cells]
+                k = min(per_window, cells.numel())
+                if valid is not None:
+                    scores = scores.masked_fill(~valid[:, cells], float("-inf"))
+                    k = min(k, int(valid[:, cells].sum(-1).min()))
+                if k > 0:
+                    mask.scatter_(1, cells[torch.topk(scores, k, dim=-1).indices], True)
+    rest = deep.clone()
+    rest[mask] = 0  # `image_attentions_deep[b, local_indices[b]] = 0`
+    free = ~mask if valid is None else valid & ~mask
+    if valid is not None:
+        rest = rest.masked_fill(~valid, float("-inf"))
+    k = min(num_global, int(free.sum(-1).min()))
+    if k > 0:
+        mask.scatter_(1, torch.topk(rest, k, dim=-1).indices, True)
+    return mask
+
+
+def grid_coords(h: int, w: int, dtype=torch.float32, device=None) -> Tensor:
+    """(x, y) of every cell of an h x w grid on [0, 1]^2, row-major: [h*w, 2]."""
+    yy, xx = torch.meshgrid(
+        torch.linspace(0, 1, h, device=device, dtype=dtype),
+        torch.linspace(0, 1, w, device=device, dtype=dtype),
+        indexing="ij",
+    )
+    return torch.stack([xx, yy], dim=-1).view(-1, 2)
+
+
+@dataclasses.dataclass
+class IntraMerge:
+    """The intra-frame OT merge of F frames with N anchors and M other tokens each."""
+
+    features: Tensor  # [F, L, D] the input with every anchor replaced by its merged value
+    anchors: Tensor  # [F, N] anchor indices (ascending)
+    others: Tensor  # [F, M] non-anchor indices (ascending)
+    plan: Tensor  # [F, M, N] Sinkhorn plan (rows: non-anchors)
+    nearest: Tensor  # [F, M] most cosine-similar anchor of each non-anchor
+    count: Tensor  # [F, N] non-anchors whose nearest anchor it is
+    load: Tensor  # [F, N] plan mass each anchor receives (column sums, clamped at 1e-9)
+    nn_weight: float = 0.1
+
+    def coefficients(self) -> tuple[Tensor, Tensor]:
+        """The merge as a linear map: merged anchor n = a[n] x_n + sum_m W[n, m] x_m. Returns (a [F, N],
+        W [F, N, M]) in float32 (used for side features that must follow the tokens)."""
+        count = self.count.float()
+        load = self.load.float()
+        nn_part = self.nn_weight / (1.0 + count)
+        ot_part = (1.0 - self.nn_weight) / (1.0 + load)
+        a = nn_part + ot_part
+        onehot = F.one_hot(self.nearest, self.anchors.shape[1]).float()  # [F, M, N]
+        weights = onehot * nn_part[:, None, :] + self.plan.float() * ot_part[:, None, :]
+        return a, weights.transpose(1, 2)
+
+
+def intra_ot_merge(
+    x: Tensor,
+    mask: Tensor,
+    coords: Tensor,
+    epsilon: float = 0.1,
+    max_iter: int = 100,
+    tol: float = 1e-2,
+    spatial_weight: float = 0.5,
+    nn_weight: float = 0.1,
+) -> IntraMerge:
+    """`token_merging_siglip_with_OTA` on x [F, L, D] with anchor mask [F, L] (the same count in every frame)
+    and cell coordinates [L, 2]. All frames share one Sinkhorn run (one stop criterion), as the official
+    batch over the video's frames. Arithmetic in x's dtype."""
+    frames, length, dim = x.shape
+    order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)  # anchors first, each part ascending
+    num_anchors = int(mask[0].sum())
+    anchors, others = order[:, :num_anchors], order[:, num_anchors:]
+    y = torch.gather(x, 1, anchors[..., None].expand(-1, -1, dim))
+    src = torch.gather(x, 1, others[..., None].expand(-1, -1, dim))
+    pos = coords.to(x.dtype)
+    cos = F.normalize(src, dim=-1) @ F.normalize(y, dim=-1).transpose(1, 2)  # [F, M, N]
+    spatial = torch.cdist(pos[others], pos[anchors], p=2)
+    cost = 1.0 * (1.0 - cos) + spatial_weight * spatial
+    with torch.no_grad():
+        plan = sinkhorn(cost, epsilon=epsilon, max_iter=max_iter, tol=tol)
+    agg = torch.einsum("fmn,fmd->fnd", plan, src)
+    load = plan.sum(dim=1).clamp_min(1e-9)
+    ota = (y + 1.0 * agg) / (1.0 + 1.0 * load[..., None])
+    nearest = cos.argmax(dim=2)
+    count = torch.zeros(frames, num_anchors, dtype=torch.int32, device=x.device)
+    count.scatter_add_(1, nearest, torch.ones_like(nearest, dtype=torch.int32))
+    nn = (y * 1.0).scatter_add(1, nearest[..., None].expand(-1, -1, dim), src)
+    nn = (nn / (1.0 + count[..., None])).to(x.dtype)
+    merged = nn * nn_weight + ota * (1.0 - nn_weight)
+    features = x.clone().scatter(1, anchors[..., None].expand(-1, -1, dim), merged.to(x.dtype))
+    return IntraMerge(features, anchors, others, plan, nearest, count, load, nn_weight)
+
+
+def pool_mask(mask: Tensor, size: tuple[int, int], mode: str = "bilinear") -> Tensor:
+    """`get_2dPool_index` before its threshold: the float anchor mask [F, h, w] pooled like the features
+    ("bilinear" to `size`, or "average" / "max" with stride h // size[0]). Returns [F, size[0], size[1]]."""
+    m = mask.float()[:, None]
+    if mode == "bilinear":
+        out = F.interpolate(m, size=list(size), mode="bilinear")
+    elif mode in ("average", "max"):
+        stride = mask.shape[1] // size[0]
+        out = F.avg_pool2d(m, stride) if mode == "average" else F.max_pool2d(m, stride)
+    else:
+        raise ValueError(f"aot: cannot pool the anchor mask with mode {mode!r}")
+    return out[:, 0]
+
+
+# --- inter-frame: clip OT merge -----------------------------------------------------------------------------------
+
+
+def time_cost(dt, sigma_t: float = 1.5):
+    """C_time = 1 - exp(-dt^2 / (2 sigma_t^2 + 1e-9)): dt=1 -> 0.199, 2 -> 0.589, 3 -> 0.865 (sigma_t 1.5)."""
+    dt = torch.as_tensor(dt)
+    return 1.0 - torch.exp(-(dt * dt) / (2.0 * (sigma_t**2) + 1e-9))
+
+
+@dataclasses.dataclass
+class TimeMerge:
+    anchors: Tensor  # [M, D] updated anchors
+    keep: Tensor  # [N] bool: sources kept as residual tokens
+    p_row: Tensor  # [N, M] row-normalised plan
+    pmax: Tensor  # [N]
+    weights: Tensor  # [N, M] p_row restricted to the merged sources (what the anchors absorbed)
+    load: Tensor  # [M]
+
+
+def ota_merge_time(
+    anchors: Tensor,
+    sources: Tensor,
+    dt: float,
+    keep_ratio: float,
+    epsilon: float = 0.1,
+    max_iter: int = 100,
+    tol: float = 1e-2,
+    sigma_t: float = 1.5,
+    scale: float = 1.0,
+    residuals: int | None = None,
+) -> TimeMerge:
+    """`ota_merge_N_to_M_time` for one source frame: anchors [M, D], sources [N, D] at time distance dt.
+    Sources with `pmax < quantile(pmax, keep_ratio)` stay; the rest are transported into the anchors,
+    `Y <- (Y + s agg) / (1 + s load)`. `residuals` (fixed-count mode) keeps exactly that many, lowest pmax."""
+    dtype = anchors.dtype
+    cos = (F.normalize(sources, dim=-1) @ F.normalize(anchors, dim=-1).T).clamp(-1 + 1e-6, 1 - 1e-6)
+    c_sim = 1.0 - cos
+    c_sim = c_sim - c_sim.amin()
+    anchors_ts = torch.zeros(1, anchors.shape[0], dtype=dtype, device=anchors.device)
+    sources_ts = torch.ones(sources.shape[0], 1, dtype=dtype, device=anchors.device) * dt
+    c_time = time_cost((sources_ts - anchors_ts).abs(), sigma_t)
+    with torch.no_grad():
+        plan = sinkhorn(c_sim * c_time, epsilon=epsilon, max_iter=max_iter, tol=tol)
+    plan = plan.to(sources.dtype)
+    p_row = plan / plan.sum(dim=1, keepdim=True).clamp_min(1e-9)
+    pmax = p_row.max(dim=1).values
+    tau = torch.quantile(pmax.double(), keep_ratio)
+    keep = pmax < tau
+    if residuals is not None:
+        keep = reconcile_count(keep, -pmax.double(), residuals)
+    weights = p_row * (~keep)[:, None]
+    agg = weights.T @ sources
+    load = weights.sum(dim=0)
+    new = (anchors + scale * agg) / (1.0 + scale * load[:, None])
+    return TimeMerge(new, keep, p_row, pmax, weights, load)
+
+
+@dataclasses.dataclass
+class ClipMerge:
+    """One clip of the inter-frame step (frame numbers index the `frames` list given to `temporal_merge`)."""
+
+    anchor_frame: int
+    residuals: list[tuple[int, Tensor]]  # (frame, local indices of its residual tokens, ascending)
+    merged: Tensor | None  # [M, D] merged anchors (None for a one-frame clip)
+    anchor_coef: Tensor | None = None  # [M] merged = anchor_coef * Y0 + sum_t source_coef[t] @ X_t
+    source_coef: list[tuple[int, Tensor]] = dataclasses.field(default_factory=list)  # (frame, [M, n_t])
+
+
+def temporal_merge(
+    frames: list[Tensor],
+    clip: int,
+    keep_ratio: float,
+    epsilon: float = 0.1,
+    max_iter: int = 100,
+    tol: float = 1e-2,
+    sigma_t: float = 1.5,
+    scale: float = 1.0,
+    fixed: bool = False,
+) -> list[ClipMerge]:
+    """`temporal_ota_merge` over frames (list of [n_f, D], temporal order) in clips of `clip` frames. The
+    output of a clip is [frame 0 ; residuals of frames 1.. ; merged anchors]."""
+    out = []
+    for start, length in clip_segments(len(frames), clip):
+        y0 = frames[start]
+        if length == 1:
+            out.append(ClipMerge(start, [], None))
+            continue
+        y = y0.clone()
+        coef = torch.ones(y0.shape[0], dtype=torch.float32, device=y0.device)
+        sources: list[tuple[int, Tensor]] = []
+        residuals: list[tuple[int, Tensor]] = []
+        for inner in range(1, length):
+            x = frames[start + inner]
+            if x.shape[0] == 0:
+                continue
+            if y.shape[0] == 0:  # nothing to merge into: the frame's tokens stay (vtc guard)
+                residuals.append((start + inner, torch.arange(x.shape[0], device=x.device)))
+                continue
+            target = residual_count(x.shape[0], keep_ratio) if fixed else None
+            step = ota_merge_time(y, x, inner, keep_ratio, epsilon, max_iter, tol, sigma_t, scale, target)
+            denom = 1.0 + scale * step.load.float()
+            coef = coef / denom
+            sources = [(f, c / denom[:, None]) for f, c in sources]
+            sources.append((start + inner, scale * step.weights.float().T / denom[:, None]))
+            y = step.anchors
+            residuals.append((start + inner, torch.nonzero(step.keep).flatten()))
+        out.append(ClipMerge(start, residuals, y, coef, sources))
+    return out
+
+
+# --- the plugin ---------------------------------------------------------------------------------------------------
+
+
+def _mix_extras(extras: dict[str, Tensor], rows: Tensor, self_coef: Tensor, src: Tensor, src_coef: Tensor):
+    """Side features of merged tokens: self_coef[j] * E[rows[j]] + sum_i src_coef[j, i] * E[src[i]]."""
+    out = {}
+    for name, e in extras.items():
+        flat = e.reshape(e.shape[0], -1).float()
+        mixed = self_coef[:, None].float() * flat[rows] + src_coef.float() @ flat[src]
+        out[name] = mixed.to(e.dtype).reshape(len(rows), *e.shape[1:])
+    return out
+
+
+class AOT:
+    needs_prepool = True
+
+    def __init__(self, params: AOTParams, retention: float | None = None) -> None:
+        self.params = params
+        self.retention = retention
+        self.family: str | None = None  # set when vtc asks for the vision statistics (install)
+        self.last_kept: list[int] = []  # tokens kept per video at the last forward
+        self.last_budget: tuple[int, float, int, bool] | None = None  # (V, KEEP_RATIO, clip, inter) last used
+
+    # --- configuration ---------------------------------------------------------------------------------------
+    @property
+    def keeps_everything(self) -> bool:
+        p = self.params
+        explicit = p.visual_token_num is not None or p.keep_ratio is not None
+        return self.retention is not None and self.retention >= 1.0 and not explicit
+
+    def _inter(self, family: str | None) -> bool:
+        if self.params.inter_compress is not None:
+            return bool(self.params.inter_compress)
+        return family != "llava_next_video"
+
+    def _clip(self, num_frames: int) -> int:
+        return int(self.params.clip_frames) if self.params.clip_frames is not None else max(1, num_frames // 8)
+
+    def budget(self, num_frames: int, family: str | None) -> tuple[int, float, int, bool]:
+        """(VISUAL_TOKEN_NUM, KEEP_RATIO, clip length, inter step on) for a video of `num_frames` frames."""
+        p = self.params
+        inter = self._inter(family)
+        clip = self._clip(num_frames)
+        keep = float(p.keep_ratio) if p.keep_ratio is not None else SETTINGS[p.setting][1]
+        if p.visual_token_num is not None:
+            v = int(p.visual_token_num)
+        elif self.retention is not None:
+            v = visual_token_num_for(self.retention, p.setting, keep, clip, inter)
+        else:
+            v = SETTINGS[p.setting][0] if inter and clip > 1 else NO_INTER_POINT[0]
+        return v, keep, clip, inter
+
+    def vision_stats(self, family):
+        self.family = family
+        return [VisionStat("received", self.params.shallow_layer), VisionStat("received", self.params.deep_layer)]
+
+    def frame_count(self, v: int, h: int, w: int, family: str | None) -> int:
+        """Tokens per frame in fixed-count mode on a token grid h x w."""
+        p = self.params
+        if family in PREPOOL_FAMILIES or family is None:
+            if v >= SIGLIP_TOKENS:
+                return h * w
+            frac = anchors_on_grid(v, p.global_ratio, 27, 27, p.windows) / SIGLIP_TOKENS
+            return max(1, min(h * w, round(frac * h * w)))
+        vg = scaled_token_num(v, h, w)
+        return h * w if vg >= h * w else anchors_on_grid(vg, p.global_ratio, h, w, p.windows)
+
+    def retained_count(self, num_tokens: int, grid) -> int | None:
+        if self.keeps_everything:
+            return num_tokens
+        if not self.params.fixed_count:
+            return None  # the pooled mask and the residual quantile depend on the content
+        t, h, w = grid
+        v, keep, clip, inter = self.budget(t, self.family)
+        return fixed_total(self.frame_count(v, h, w, self.family), t, clip, keep, inter)
+
+    # --- connect -----------------------------------------------------------------------------------------------
+    def _record(self, ctx, kept: int) -> None:
+        if ctx.video_index == 0:  # the first video of a new forward
+            self.last_kept = []
+        self.last_kept.append(kept)
+
+    def _dtype(self, x: Tensor) -> torch.dtype:
+        return DTYPES[self.params.compute_dtype] if self.params.compute_dtype is not None else x.dtype
+
+    def _stats(self, ctx, length: int) -> tuple[Tensor, Tensor]:
+        p = self.params
+        try:
+            shallow = ctx.vision[VisionStat("received", p.shallow_layer)]
+            deep = ctx.vision[VisionStat("received", p.deep_layer)]
+        except KeyError:
+            raise RuntimeError("aot: the vision-tower attention statistics were not captured") from None
+        if shallow.shape[-1] == length + 1:  # CLIP towers: drop the CLS column
+            shallow, deep = shallow[:, 1:], deep[:, 1:]
+        if shallow.shape[-1] != length:
+            raise RuntimeError(f"aot: attention maps have {shallow.shape[-1]} tokens per frame, expected {length}")
+        return shallow.float(), deep.float()
+
+    @hookimpl
+    def vtc_connect(self, tokens, ctx):
+        n = len(tokens)
+        if self.keeps_everything or n == 0:
+            self._record(ctx, n)
+            return tokens
+        t, h, w = tokens.grid
+        v, keep, clip, inter = self.budget(t, ctx.family)
+        self.last_budget = (v, keep, clip, inter)
+        fixed = self.params.fixed_count
+        k_fixed = self.frame_count(v, h, w, ctx.family) if fixed else None
+        if ctx.prepool is not None and ctx.pool is not None:
+            out = self._intra_prepool(tokens, ctx, v, k_fixed)
+        else:
+            out = self._intra_tokens(tokens, ctx, v, k_fixed)
+        if inter and clip > 1:
+            out = self._inter_step(out, clip, keep, fixed)
+        self._record(ctx, len(out))
+        return out
+
+    def _intra_prepool(self, tokens, ctx, v: int, k_fixed: int | None):
+        """LLaVA: anchors + OT on the pre-pool grid, the model's pooling, the pooled mask >= 0.5."""
+        p = self.params
+        grid = ctx.prepool
+        frames, ph, pw, dim = grid.shape
+        t, h, w = tokens.grid
+        vg = scaled_token_num(v, ph, pw)
+        if vg >= ph * pw:
+            return tokens  # VISUAL_TOKEN_NUM == 729: no intra-frame step
+        shallow, deep = self._stats(ctx, ph * pw)
+        shallow, deep = shallow.to(grid.device), deep.to(grid.device)
+        per_window, num_global = anchor_budget(vg, p.global_ratio, p.windows)
+        mask = select_anchors(shallow, deep, ph, pw, per_window, num_global, p.windows)
+        x = grid.reshape(frames, ph * pw, dim)
+        features = x
+        if bool(mask[0].any()):
+            coords = grid_coords(ph, pw, dtype=self._dtype(x), device=x.device)
+            merge = intra_ot_merge(
+                x.to(self._dtype(x)), mask, coords, p.epsilon, p.max_iter, p.tol, p.spatial_weight, p.nn_weight
+            )
+            features = merge.features.to(grid.dtype)
+        pooled = ctx.pool(features.reshape(frames, ph, pw, dim))
+        if tuple(pooled.shape[1:3]) != (h, w) or pooled.shape[0] != t:
+            raise RuntimeError(f"aot: pooled grid {tuple(pooled.shape[:3])} does not match the tokens' {tokens.grid}")
+        mode = "bilinear"
+        if ctx.family == "llava_next_video":
+            mode = getattr(getattr(ctx.model, "config", None), "spatial_pool_mode", "average")
+            mode = mode if mode in ("average", "max") else "average"
+        value = pool_mask(mask.view(frames, ph, pw), (h, w), mode).reshape(t, h * w)
+        cells = value >= 0.5
+        if k_fixed is not None:  # exact count per frame: pooled mask value, then pooled deep attention
+            tie = pool_mask(deep.view(frames, ph, pw), (h, w), mode).reshape(t, h * w).double()
+            tie = tie / tie.amax(dim=1, keepdim=True).clamp_min(1e-30)
+            score = value.double() + 1e-6 * tie
+            cells = torch.stack([reconcile_count(cells[f], score[f], k_fixed) for f in range(t)])
+        lookup = torch.full((t * h * w,), -1, dtype=torch.long, device=tokens.embeds.device)
+        lookup[(tokens.frame * h * w + tokens.patch).to(lookup.device)] = torch.arange(
+            len(tokens), device=lookup.device
+        )
+        flat = torch.nonzero(cells.flatten()).flatten().to(lookup.device)
+        idx = lookup[flat]
+        present = idx >= 0
+        out = tokens.select(idx[present])
+        out.embeds = pooled.reshape(t * h * w, -1)[flat[present].to(pooled.device)].to(tokens.embeds.dtype)
+        return out
+
+    def _intra_tokens(self, tokens, ctx, v: int, k_fixed: int | None):
+        """Qwen families: anchors + OT on the LLM token grid; the merged anchors are the frame's tokens."""
+        p = self.params
+        t, h, w = tokens.grid
+        length = h * w
+        vg = scaled_token_num(v, h, w)
+        if vg >= length:
+            return tokens
+        shallow, deep = self._stats(ctx, length)
+        per_window, num_global = anchor_budget(vg, p.global_ratio, p.windows)
+        device = tokens.embeds.device
+        shallow, deep = shallow.to(device), deep.to(device)
+        frame, patch = tokens.frame.to(device), tokens.patch.to(device)
+        full = len(tokens) == t * length and bool(
+            (frame * length + patch == torch.arange(t * length, device=device)).all()
+        )
+        if full:  # every frame complete: one batched merge, as the official batch over frames
+            groups = [torch.arange(t * length, device=device).view(t, length)]
+        else:  # an earlier plugin thinned the video: frame by frame on the tokens present
+            groups = [torch.nonzero(frame == f).flatten()[None] for f in torch.unique(frame).tolist()]
+        coords = grid_coords(h, w, dtype=self._dtype(tokens.embeds), device=device)
+        parts = []
+        for members in groups:
+            fr, cells = frame[members[:, 0]], patch[members]  # [g], [g, n]
+            if full:
+                mask = select_anchors(shallow, deep, h, w, per_window, num_global, p.windows)
+            else:
+                valid = torch.zeros(1, length, dtype=torch.bool, device=device)
+                valid[0, cells[0]] = True
+                mask = select_anchors(shallow[fr], deep[fr], h, w, per_window, num_global, p.windows, valid)[
+                    :, cells[0]
+                ]
+            if k_fixed is not None:  # chosen anchors first, then deep attention
+                score = deep[fr[:, None], cells] + mask.float() * (float(deep.max()) + 1.0)
+                mask = torch.stack([reconcile_count(mask[i], score[i], k_fixed) for i in range(mask.shape[0])])
+            parts.append(self._merge_group(tokens, members, mask, coords[cells[0]]))
+        rows = torch.cat([r for r, _, _, _ in parts])
+        out = tokens.select(rows)
+        out.embeds = torch.cat([e for _, e, _, _ in parts])
+        out.weight = torch.cat([wt for _, _, wt, _ in parts])
+        if tokens.extras:
+            out.extras = {k: torch.cat([x[k] for _, _, _, x in parts]) for k in tokens.extras}
+        return out
+
+    def _merge_group(self, tokens, members: Tensor, mask: Tensor, coords: Tensor):
+        """Merge frames `members` [g, n] (token indices) into their anchors `mask` [g, n]: returns the anchors'
+        (token indices, merged embeds, weights, extras), frame-major."""
+        p = self.params
+        if int(mask[0].sum()) in (0, mask.shape[1]):  # nothing to merge into / nothing to merge
+            rows = members[mask]
+            return rows, tokens.embeds[rows], tokens.weight[rows], {k: e[rows] for k, e in tokens.extras.items()}
+        x = tokens.embeds[members]
+        merge = intra_ot_merge(
+            x.to(self._dtype(x)), mask, coords, p.epsilon, p.max_iter, p.tol, p.spatial_weight, p.nn_weight
+        )
+        rows = torch.gather(members, 1, merge.anchors)
+        srcs = torch.gather(members, 1, merge.others)
+        dim = x.shape[-1]
+        embeds = torch.gather(merge.features, 1, merge.anchors[..., None].expand(-1, -1, dim))
+        a, wmat = merge.coefficients()
+        extras = {}
+        if tokens.extras:
+            mixed = [_mix_extras(tokens.extras, rows[i], a[i], srcs[i], wmat[i]) for i in range(rows.shape[0])]
+            extras = {k: torch.cat([m[k] for m in mixed]) for k in tokens.extras}
+        # token counts: each non-anchor counts for the anchor it gives the most to
+        weight = tokens.weight[rows].float().scatter_add(1, wmat.argmax(dim=1), tokens.weight[srcs].float())
+        return (
+            rows.flatten(),
+            embeds.reshape(-1, dim).to(tokens.embeds.dtype),
+            weight.flatten().to(tokens.weight.dtype),
+            extras,
+        )
+
+    def _inter_step(self, tokens, clip: int, keep: float, fixed: bool):
+        p = self.params
+        device = tokens.embeds.device
+        frame = tokens.frame.to(device)
+        # every frame of the grid, in order (a frame left without tokens still takes its place in its clip)
+        members = [torch.nonzero(frame == f).flatten() for f in range(tokens.grid[0])]
+        feats = [tokens.embeds[m] for m in members]
+        cdtype = self._dtype(tokens.embeds)
+        clips = temporal_merge(
+            [f.to(cdtype) for f in feats],
+            clip,
+            keep,
+            p.epsilon,
+            p.max_iter,
+            p.tol,
+            p.sigma_t,
+            p.inter_scale,
+            fixed,
+        )
+        order, merged_slots = [], []
+        position = 0
+        for c in clips:
+            anchor_rows = members[c.anchor_frame]
+            order.append(anchor_rows)
+            position += len(anchor_rows)
+            for f, local in c.residuals:
+                order.append(members[f][local])
+                position += len(local)
+            if c.merged is not None:
+                order.append(anchor_rows)
+                merged_slots.append((position, c, anchor_rows))
+                position += len(anchor_rows)
+        rows = torch.cat(order) if order else torch.zeros(0, dtype=torch.long, device=device)
+        out = tokens.select(rows)
+        if not merged_slots:
+            return out
+        embeds = out.embeds.clone()
+        weight = out.weight.clone().float()
+        extras = {k: v.clone() for k, v in out.extras.items()}
+        for start, c, anchor_rows in merged_slots:
+            span = slice(start, start + len(anchor_rows))
+            embeds[span] = c.merged.to(embeds.dtype)
+            srcs = [members[f] for f, _ in c.source_coef]
+            if srcs:
+                src_rows = torch.cat(srcs)
+                coef = torch.cat([m for _, m in c.source_coef], dim=1)
+                if extras:
+                    mixed = _mix_extras(tokens.extras, anchor_rows, c.anchor_coef, src_rows, coef)
+                    for k in extras:
+                        extras[k][span] = mixed[k]
+                absorbed = torch.zeros(len(anchor_rows), dtype=torch.float32, device=device)
+                has = coef.sum(dim=0) > 0  # merged sources count for the anchor they give the most to
+                if bool(has.any()):
+                    absorbed.scatter_add_(0, coef[:, has].argmax(dim=0), tokens.weight[src_rows[has]].float())
+                weight[span] = weight[span] + absorbed
+        out.embeds = embeds
+        out.extras = extras
+        out.weight = weight.to(tokens.weight.dtype)
+        return out
+
+
+@hookimpl
+def vtc_register_methods(registry):
+    registry.add(
+        MethodInfo(
+            name="aot",
+            factory=AOT,
+            params=AOTParams,
+            stages=("connect",),
+            paper="Token Reduction via Local and Global Contexts Optimization for Efficient Video LLMs (CVPR 2026)",
+            url="https://arxiv.org/abs/2603.01400",
+            summary="attention anchors per frame + Sinkhorn OT merge, then inter-frame OT merge within clips",
+            fixed_count=True,
+            position_policy="compact",
+        )
+    )
