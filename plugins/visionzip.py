@@ -1,0 +1,294 @@
+"""VisionZip: "VisionZip: Longer is Better but Not Necessary in Vision Language Models" (Yang et al., CVPR 2025).
+arXiv: https://arxiv.org/abs/2412.04467. Official code: dvlab-research/VisionZip (`visionzip/main.py`,
+`visionzip/clip_encoder.py`, `visionzip/utils.py`, `visionzip/llava_arch.py`); the SigLIP / video port the
+video papers compare against: cokeshao/HoliTom (`visionzip/llava_arch.py`,
+`LLaVA-NeXT/llava/model/multimodal_encoder/siglip_encoder.py`).
+
+Per frame, keep the `dominant` tokens that receive the most vision-tower attention, then fold the rest into
+`contextual` targets spaced uniformly over the remaining tokens: every other remaining token joins the target
+whose vision key (head-mean) is most cosine-similar, and the target becomes `h_t + mean(members)`.
+Stage: connect (one frame at a time, a fixed count per frame).
+
+Attention and keys by family: LLaVA-OneVision follows the SigLIP video port (last layer's mean received
+attention and head-mean keys, both bilinearly resized 27x27 -> 14x14 like the features); LLaVA-NeXT-Video the
+official CLIP form (the CLS row, summed over heads, and the keys, 2x2-averaged like the features; the merge
+happens on the CLIP features before the projector, as the official CLIP tower does); Qwen-VL families (no CLS)
+the received attention and keys of the last vision block on the LLM token grid. Order: LLaVA families get the
+port's order, per frame [dominant (spatial order); contextual (target order)], with renumbered positions;
+Qwen families keep M-RoPE positions, so tokens stay in their original order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+
+from vtc.hookspecs import hookimpl
+from vtc.registry import MethodInfo
+from vtc.vision import VisionStat
+
+Tensor = torch.Tensor
+
+DOMINANT_RATIO = 54 / 64  # DOMINANT_RATIO of the port (the README's 54 dominant + 10 contextual of LLaVA-1.5)
+PORT_DEFAULT_TOKENS = 50  # SPATIAL_TOKENS default of the port, per 196-token LLaVA-OneVision frame
+PORT_FRAME_TOKENS = 196
+
+
+@dataclasses.dataclass
+class VisionZipParams:
+    tokens_per_frame: int | None = None  # S (SPATIAL_TOKENS): kept per frame; default ceil(retention * n)
+    dominant_ratio: float = DOMINANT_RATIO  # DOMINANT_RATIO: dominant = int(S * ratio), contextual = S - dominant
+    dominant: int | None = None  # official `dominant` per frame (no CLS token here); needs `contextual` too
+    contextual: int | None = None  # official `contextual` per frame; needs `dominant` too
+    merge_before_projector: bool = True  # LLaVA-NeXT-Video: merge CLIP features before the projector (official)
+
+    def __post_init__(self):
+        if self.tokens_per_frame is not None and int(self.tokens_per_frame) < 1:
+            raise ValueError(f"visionzip: tokens_per_frame must be >= 1, got {self.tokens_per_frame}")
+        if not 0.0 <= float(self.dominant_ratio) <= 1.0:
+            raise ValueError(f"visionzip: dominant_ratio must be in [0, 1], got {self.dominant_ratio}")
+        if (self.dominant is None) != (self.contextual is None):
+            raise ValueError("visionzip: give both dominant and contextual (tokens per frame), or neither")
+        if self.dominant is not None:
+            if self.tokens_per_frame is not None:
+                raise ValueError("visionzip: give tokens_per_frame or dominant + contextual, not both")
+            if int(self.dominant) < 0 or int(self.contextual) < 0 or int(self.dominant) + int(self.contextual) < 1:
+                raise ValueError(
+                    f"visionzip: dominant and contextual must be >= 0 with a positive sum, got "
+                    f"{self.dominant} and {self.contextual}"
+                )
+
+
+# --- the algorithm, on one frame ---------------------------------------------------------------------------------
+
+
+def frame_tokens(num_patches: int, retention: float | None) -> int:
+    """S for a frame of `num_patches` tokens: ceil(retention * n) (10/15/20 % of 196 -> 20/30/40, the port's
+    SPATIAL_TOKENS); with no retention the port's default density, 50 of 196."""
+    fraction = retention if retention is not None else PORT_DEFAULT_TOKENS / PORT_FRAME_TOKENS
+    return max(1, min(num_patches, math.ceil(round(num_patches * fraction, 9))))
+
+
+def split_counts(tokens: int, dominant_ratio: float = DOMINANT_RATIO) -> tuple[int, int]:
+    """(dominant, contextual) = (int(S * ratio), S - dominant), as the port computes them."""
+    dominant = int(tokens * dominant_ratio)
+    return dominant, tokens - dominant
+
+
+@dataclasses.dataclass
+class FramePlan:
+    """VisionZip's choice for one frame; indices are positions in the frame's token list."""
+
+    dominant: Tensor  # [k] ascending (the official masked_select order)
+    targets: Tensor  # [c] contextual targets, in target order
+    members: Tensor  # [m] remaining tokens merged into a target
+    assign: Tensor  # [m] target slot (0..c-1) of each member
+
+
+def select_frame(attention: Tensor, metric: Tensor, dominant: int, contextual: int) -> FramePlan:
+    """One frame: attention [n] (score of each token), metric [n, d] (head-mean keys).
+
+    Dominant = top-`dominant` attention; the rest, in their original order, get `contextual` targets at
+    arange(0, n_rem, max(1, n_rem // contextual))[:contextual]; every other remaining token is assigned to the
+    target with the largest cosine similarity of the metric (first one on ties)."""
+    n = attention.shape[0]
+    device = attention.device
+    rest = torch.ones(n, dtype=torch.bool, device=device)
+    rest[torch.topk(attention, dominant).indices] = False
+    dom = torch.nonzero(~rest).flatten()
+    remaining = torch.nonzero(rest).flatten()
+    empty = remaining[:0]
+    if contextual == 0 or remaining.numel() == 0:
+        return FramePlan(dom, empty, empty, empty)
+    metric = metric[remaining]
+    metric = metric / metric.norm(dim=-1, keepdim=True)
+    step = max(1, remaining.numel() // contextual)
+    target_pos = torch.arange(0, remaining.numel(), step, device=device)[:contextual]
+    is_target = torch.zeros(remaining.numel(), dtype=torch.bool, device=device)
+    is_target[target_pos] = True
+    member_pos = torch.nonzero(~is_target).flatten()
+    similarity = metric[member_pos] @ metric[target_pos].T
+    assign = similarity.argmax(dim=1) if member_pos.numel() else member_pos
+    return FramePlan(dom, remaining[target_pos], remaining[member_pos], assign)
+
+
+def contextual_features(targets: Tensor, members: Tensor, assign: Tensor) -> Tensor:
+    """h_t + mean of the members assigned to t (an empty cluster adds 0): targets [c, ...], members [m, ...]."""
+    flat_members = members.flatten(1)
+    one_hot = torch.zeros(members.shape[0], targets.shape[0], dtype=members.dtype, device=members.device)
+    one_hot[torch.arange(members.shape[0], device=members.device), assign] = 1
+    counts = one_hot.sum(dim=0).clamp(min=1).unsqueeze(-1)
+    aggregated = (one_hot.T @ flat_members) / counts
+    return targets + aggregated.reshape(targets.shape)
+
+
+# --- attention maps on the LLM token grid -------------------------------------------------------------------------
+
+
+def pool_map(values: Tensor, size: tuple[int, int], mode: str) -> Tensor:
+    """Resize per-frame patch maps [F, L, C] (L = side^2) to the token grid `size` -> [F, H*W, C].
+
+    "bilinear": F.interpolate to `size` (LLaVA-OneVision's get_2dPool, ceil(27/2) = 14); "average": 2x2 average
+    pooling (LLaVA-NeXT-Video's pooler); "none": already on the grid (Qwen)."""
+    if mode == "none":
+        return values
+    frames, length, channels = values.shape
+    side = math.isqrt(length)
+    grid = values.reshape(frames, side, side, channels).permute(0, 3, 1, 2)
+    if mode == "bilinear":
+        grid = F.interpolate(grid, size=list(size), mode="bilinear")
+    elif mode == "average":
+        grid = F.avg_pool2d(grid, side // size[0])
+    else:
+        raise ValueError(f"unknown pooling mode {mode!r}")
+    return grid.permute(0, 2, 3, 1).reshape(frames, size[0] * size[1], channels)
+
+
+def vision_stats_for(family: str) -> list[VisionStat]:
+    if family == "llava_next_video":
+        return [VisionStat("cls", -1), VisionStat("keys", -1)]
+    return [VisionStat("received", -1), VisionStat("keys", -1)]
+
+
+def token_grid_maps(vision: dict, family: str, size: tuple[int, int]) -> tuple[Tensor, Tensor]:
+    """(attention [F, H*W], metric [F, H*W, d]) on the token grid, from the captured vision statistics."""
+    keys = vision[VisionStat("keys", -1)].float()
+    if family == "llava_next_video":  # official CLIP form: CLS row summed over heads, CLS column dropped
+        attention = vision[VisionStat("cls", -1)].float()[:, :, 1:].sum(dim=1)
+        keys, mode = keys[:, 1:], "average"
+    else:  # SigLIP port / Qwen: attention received, mean over queries (as attentions[-1].mean(1).mean(1))
+        received = vision[VisionStat("received", -1)].float()
+        attention = received / received.shape[-1]
+        mode = "bilinear" if family == "llava_onevision" else "none"
+    if family.startswith("llava") and attention.shape[-1] != size[0] * size[1]:
+        attention = pool_map(attention.unsqueeze(-1), size, mode).squeeze(-1)
+        keys = pool_map(keys, size, mode)
+    return attention, keys
+
+
+# --- the plugin ---------------------------------------------------------------------------------------------------
+
+
+def frame_groups(frame: Tensor, patch: Tensor) -> list[Tensor]:
+    """Token indices of each frame present, frames ascending, tokens in spatial (patch) order."""
+    order = torch.argsort(frame * (int(patch.max()) + 1 if patch.numel() else 1) + patch)
+    counts = torch.unique_consecutive(frame[order], return_counts=True)[1]
+    return list(torch.split(order, counts.tolist()))
+
+
+class VisionZip:
+    needs_prepool = True  # LLaVA-NeXT-Video merges CLIP features before the projector (other families ignore it)
+
+    def __init__(self, params: VisionZipParams, retention: float | None = None) -> None:
+        self.params = params
+        self.retention = retention
+        self.last_kept: list[int] = []
+
+    def vision_stats(self, family: str) -> list[VisionStat]:
+        return vision_stats_for(family)
+
+    def counts(self, num_patches: int) -> tuple[int, int]:
+        """(dominant, contextual) per frame of `num_patches` tokens."""
+        p = self.params
+        if p.dominant is not None:
+            return int(p.dominant), int(p.contextual)
+        tokens = (
+            int(p.tokens_per_frame) if p.tokens_per_frame is not None else frame_tokens(num_patches, self.retention)
+        )
+        return split_counts(tokens, float(p.dominant_ratio))
+
+    def retained_count(self, num_tokens: int, grid) -> int | None:
+        t, h, w = grid
+        if num_tokens != t * h * w:
+            return None  # an earlier plugin thinned the frames: per-frame caps make it content-dependent
+        return t * min(sum(self.counts(h * w)), h * w)
+
+    def _record(self, ctx, kept: int) -> None:
+        if getattr(ctx, "video_index", 0) == 0:  # the first video of a new forward
+            self.last_kept = []
+        self.last_kept.append(kept)
+
+    @hookimpl
+    def vtc_connect(self, tokens, ctx):
+        t, h, w = tokens.grid
+        dominant, contextual = self.counts(h * w)
+        n = len(tokens)
+        if dominant + contextual >= h * w or n == 0:
+            self._record(ctx, n)
+            return tokens
+        family = ctx.family or ""
+        attention, metric = token_grid_maps(ctx.vision, family, (h, w))
+        patch = tokens.patch
+        device = tokens.embeds.device
+        attention, metric = attention.to(device), metric.to(device)
+        blocks = self._prepool_blocks(tokens, ctx, family)
+
+        keep, new_embeds, dst, src, src_weight = [], [], [], [], []
+        for idx in frame_groups(tokens.frame, patch):
+            f = int(tokens.frame[idx[0]])
+            if idx.numel() <= dominant + contextual:  # a frame an earlier plugin thinned below S: keep it whole
+                keep.append(idx)
+                new_embeds.append(tokens.embeds[idx])
+                continue
+            plan = select_frame(attention[f, patch[idx]], metric[f, patch[idx]], dominant, contextual)
+            targets, members = idx[plan.targets], idx[plan.members]
+            if blocks is not None:  # CLIP features: merge, then the model's pooling and projector
+                merged = contextual_features(blocks[targets], blocks[members], plan.assign)
+                ctx_embeds = ctx.pool(merged).reshape(targets.numel(), -1).to(tokens.embeds.dtype)
+            else:
+                ctx_embeds = contextual_features(tokens.embeds[targets], tokens.embeds[members], plan.assign)
+            base = sum(k.numel() for k in keep) + plan.dominant.numel()
+            counts = torch.bincount(plan.assign, minlength=targets.numel()).clamp(min=1)
+            keep += [idx[plan.dominant], targets]
+            new_embeds += [tokens.embeds[idx[plan.dominant]], ctx_embeds]
+            dst.append(base + plan.assign)
+            src.append(members)
+            src_weight.append(1.0 / counts[plan.assign].float())
+        keep_idx = torch.cat(keep)
+        embeds = torch.cat(new_embeds)
+        dst_idx = torch.cat(dst) if dst else keep_idx[:0]
+        src_idx = torch.cat(src) if src else keep_idx[:0]
+        weights = torch.cat(src_weight) if src_weight else torch.zeros(0, device=device)
+        if tokens.positions.dim() == 2:  # M-RoPE (Qwen): positions are kept, so keep the original order
+            order = torch.argsort(tokens.frame[keep_idx] * h * w + patch[keep_idx])
+            rank = torch.empty_like(order)
+            rank[order] = torch.arange(order.numel(), device=order.device)
+            keep_idx, embeds, dst_idx = keep_idx[order], embeds[order], rank[dst_idx]
+        self._record(ctx, int(keep_idx.numel()))
+        return tokens.merge(keep_idx, dst_idx, src_idx, weights, embeds=embeds)
+
+    def _prepool_blocks(self, tokens, ctx, family: str) -> Tensor | None:
+        """Per token, its s x s block of CLIP features before LLaVA-NeXT-Video's pooler ([N, s, s, D_vision]),
+        when the tokens are the untouched pooled grid; else None (merge the LLM tokens instead)."""
+        if family != "llava_next_video" or not self.params.merge_before_projector:
+            return None
+        prepool = getattr(ctx, "prepool", None)
+        t, h, w = tokens.grid
+        if prepool is None or ctx.pool is None or len(tokens) != t * h * w or bool((tokens.weight != 1).any()):
+            return None
+        frames, side, _, dim = prepool.shape
+        s = side // h
+        if frames != t or side != s * h or prepool.shape[2] != s * w:
+            return None
+        blocks = prepool.reshape(t, h, s, w, s, dim).permute(0, 1, 3, 2, 4, 5).reshape(t * h * w, s, s, dim)
+        return blocks.to(tokens.embeds.device)[tokens.frame * h * w + tokens.patch]
+
+
+@hookimpl
+def vtc_register_methods(registry):
+    registry.add(
+        MethodInfo(
+            name="visionzip",
+            factory=VisionZip,
+            params=VisionZipParams,
+            stages=("connect",),
+            paper="VisionZip: Longer is Better but Not Necessary in Vision Language Models (CVPR 2025)",
+            url="https://arxiv.org/abs/2412.04467",
+            summary="per frame: top vision-attention tokens + key-similarity merges into uniform targets",
+            fixed_count=True,
+            position_policy="compact",
+        )
+    )

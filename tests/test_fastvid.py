@@ -1,0 +1,567 @@
+"""FastVID: DySeg, budgets and anchor quotas against loop re-derivations of the official code, the DTM merge on
+inputs whose answer is known, both official versions (LLaVA-OneVision parallel, Qwen2.5-VL) against
+re-derivations written in the official code's structure, the fixed-count mode, the retention mapping, and the
+patched models end to end."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import vtc
+from tests.conftest import batch_inputs, model_and_processor, single_inputs
+from vtc.hookspecs import hookimpl
+from vtc.tokens import Context, VideoTokens
+from vtc.vision import VisionStat
+from vtc_plugins.fastvid import (
+    FastVID,
+    FastVIDParams,
+    assemble,
+    dtm_merge,
+    dyseg,
+    fastvid_llava,
+    fastvid_qwen25,
+    fixed_target,
+    llava_anchor_quotas,
+    llava_frame_budget,
+    normalize_rows,
+    qwen25_segment_quotas,
+    salience_map,
+)
+
+
+def make_tokens(embeds: torch.Tensor, grid, mrope: bool = False) -> VideoTokens:
+    t, h, w = grid
+    n = t * h * w
+    flat = torch.arange(n)
+    positions = torch.stack([flat // (h * w), (flat // w) % h, flat % w]) if mrope else flat
+    return VideoTokens(
+        embeds=embeds,
+        positions=positions,
+        frame=flat // (h * w),
+        row=(flat // w) % h,
+        col=flat % w,
+        weight=torch.ones(n),
+        grid=grid,
+    )
+
+
+# --- loop / official-structure re-derivations ---------------------------------------------------------------------
+
+
+def official_segments(glob, c, tau):
+    """DySeg as `Qwen2Model.forward` (LLaVA-OV) computes it."""
+    g = glob / glob.norm(dim=1, keepdim=True)
+    sim = (g[:-1] * g[1:]).sum(dim=1)
+    cut_topk = torch.topk(sim, c - 1, largest=False).indices
+    cut_cos = torch.nonzero(sim < tau, as_tuple=False).squeeze(1)
+    cuts = torch.unique(torch.cat([cut_topk, cut_cos])).sort().values
+    padded = F.pad(cuts, (1, 1), value=-1)
+    padded[-1] = glob.shape[0] - 1
+    return padded.diff().tolist()
+
+
+def density_scores(tokens):
+    """Density-peak score of the official code (cdist / sqrt(D), 4 nearest, no tie-breaking noise): [B, n, D]."""
+    dim = tokens.shape[-1]
+    dist = torch.cdist(tokens.float(), tokens.float()) / dim**0.5
+    nearest = torch.topk(dist, k=4, dim=-1, largest=False).values
+    density = (-(nearest**2).mean(dim=-1)).exp()
+    mask = (density[:, None, :] > density[:, :, None]).type(tokens.dtype)
+    dist_max = dist.flatten(1).max(dim=-1)[0][:, None, None]
+    dist0 = (dist * mask + dist_max * (1 - mask)).min(dim=-1).values
+    return dist0 * density
+
+
+def official_merge(targets, members, beta):
+    """The DTM update of one anchor set (both versions): targets [a, D] (raw), members [m, D] (raw)."""
+    tn = targets / targets.norm(dim=-1, keepdim=True)
+    mn = members / members.norm(dim=-1, keepdim=True)
+    one_hot = torch.zeros(members.shape[0], targets.shape[0], dtype=members.dtype)
+    one_hot.scatter_(1, (mn @ tn.T).argmax(dim=1).unsqueeze(-1), 1)
+    weights = (1 / (one_hot.sum(dim=0).unsqueeze(-1) + 1)).clamp(min=beta)
+    counts = one_hot.sum(dim=0).clamp(min=1).unsqueeze(-1)
+    return weights * targets + (1 - weights) * (one_hot.T @ members) / counts
+
+
+def official_llava(video, attn, glob, r, c, tau, d, p, beta):
+    """The LLaVA-OV parallel code, in its own structure: video [F, n, D], attn [F, n], glob [F, D].
+    Returns {global token index: feature} of the tokens the LLM keeps."""
+    frames, n, dim = video.shape
+    sizes = official_segments(glob, c, tau)
+    retain = int(n * r)
+    salient_num = retain - int(retain * d)
+    context_num = retain - salient_num
+    quota = torch.zeros(frames, dtype=torch.int)
+    offset = 0
+    for length in sizes:
+        per = (context_num * length) // ((length + p - 1) // p)
+        mask = torch.arange(length - 1, -1, -1) % p == 0
+        quota[offset : offset + length][mask] = per
+        offset += length
+    out = {}
+    top = torch.topk(attn, salient_num, dim=1).indices
+    for f in range(frames):
+        for i in top[f].tolist():
+            out[f * n + i] = video[f, i]
+    keep_mask = torch.ones(frames, n, dtype=torch.bool)
+    keep_mask.scatter_(1, top, False)
+    filtered = torch.arange(n).expand(frames, -1)[keep_mask].view(frames, n - salient_num)
+    tokens = torch.stack([video[f, filtered[f]] for f in range(frames)])
+    score = density_scores(tokens)
+    for f in range(frames):
+        if int(quota[f]) == context_num and context_num > 0:
+            sampled = torch.topk(score[f], context_num).indices
+            merged = official_merge(tokens[f, sampled], tokens[f], beta)
+            for s, m in zip(sampled.tolist(), merged):
+                out[f * n + int(filtered[f, s])] = m
+    offset = 0
+    for length in sizes:
+        if length > 1:
+            seg = range(offset, offset + length)
+            members = torch.cat([tokens[f] for f in seg])
+            for f in seg:
+                if int(quota[f]) > context_num:
+                    sampled = torch.topk(score[f], int(quota[f])).indices
+                    merged = official_merge(tokens[f, sampled], members, beta)
+                    for s, m in zip(sampled.tolist(), merged):
+                        out[f * n + int(filtered[f, s])] = m
+        offset += length
+    return out
+
+
+def official_qwen_quotas(seg_len, frm_len, frame_retain_num, cur_segment_sizes, d, p):
+    """The per-frame quota loops of the official Qwen2.5-VL code, as written there."""
+    seg_retain_num = frame_retain_num * seg_len
+    seg_context_num = max(int(seg_retain_num * d), 1)
+    seg_salient_num = seg_retain_num - seg_context_num
+    if seg_len == 1:
+        return [seg_salient_num], [seg_context_num]
+    valid_seg_len = len(cur_segment_sizes)
+    chunk, rem = seg_salient_num // valid_seg_len, seg_salient_num % valid_seg_len
+    frm_salient_num = [chunk + (1 if i < rem else 0) for i in range(valid_seg_len)]
+    temp_num = (valid_seg_len + p - 1) // p
+    chunk, rem = seg_context_num // temp_num, seg_context_num % temp_num
+    temp_context_num = [chunk + (1 if i < rem else 0) for i in range(temp_num)]
+    tmp_ctx_idx = 0
+    frm_context_num = []
+    for tmp_i in range(valid_seg_len):
+        if tmp_i % p == 0:
+            frm_context_num.append(min(temp_context_num[tmp_ctx_idx], frm_len // 2))
+            if temp_context_num[tmp_ctx_idx] + frm_context_num[-1] > frm_len:
+                temp_context_num[tmp_ctx_idx] = frm_len - frm_context_num[-1]
+            tmp_ctx_idx += 1
+        else:
+            frm_context_num.append(0)
+    frm_context_num.reverse()
+    salient, context = [], []
+    for i in range(valid_seg_len):
+        salient.extend([0] * (cur_segment_sizes[i] - 1))
+        context.extend([0] * (cur_segment_sizes[i] - 1))
+        if frm_context_num[i] == 0:
+            salient.append(min(frm_salient_num[i], frm_len))
+            context.append(0)
+        elif frm_context_num[i] > 0:
+            context.append(min(frm_context_num[i], frm_len // 2))
+            salient.append(min(frm_salient_num[i], frm_len - context[-1]))
+    return salient, context
+
+
+def official_qwen(video, attn, glob, r, c, tau, ignore, d, p, beta):
+    """The Qwen2.5-VL code, in its own structure (no tie-breaking noise). Returns {token index: feature}."""
+    frames, n, dim = video.shape
+    g = glob / glob.norm(dim=1, keepdim=True)
+    sizes = official_segments(glob, c, tau)
+    out = {}
+    start = 0
+    for length in sizes:
+        hidden = video[start : start + length]
+        weights = attn[start : start + length]
+        if length == 1:
+            subs = [1]
+        else:
+            sim = (g[start : start + length][:-1] * g[start : start + length][1:]).sum(dim=1)
+            cuts = torch.nonzero(sim < ignore).squeeze(1).sort().values
+            if cuts.shape[0] > 0:
+                subs = [cuts[0].item() + 1] + [cuts[i].item() - cuts[i - 1].item() for i in range(1, cuts.shape[0])]
+                subs.append(length - cuts[-1].item() - 1)
+            else:
+                subs = [length]
+        sal, ctx = official_qwen_quotas(length, n, int(n * r), subs, d, p)
+        salient_idx, context_idx = [], []
+        for f in range(length):
+            top = torch.topk(weights[f], sal[f]).indices if sal[f] > 0 else None
+            if ctx[f] > 0:
+                everything = torch.arange(n)
+                remaining = everything[~torch.isin(everything, top)] if top is not None else everything
+                score = density_scores(hidden[f][remaining].unsqueeze(0))
+                sampled = torch.topk(score, k=ctx[f], dim=-1).indices[0].sort().values
+                context_idx.append(remaining[sampled] + f * n)
+            if top is not None:
+                salient_idx.append(top + f * n)
+        flat = hidden.reshape(length * n, -1)
+        salient_idx = torch.cat(salient_idx)
+        for i in salient_idx.tolist():
+            out[start * n + i] = flat[i]
+        everything = torch.arange(length * n)
+        for anchors in context_idx:
+            merge = everything[~torch.isin(everything, torch.cat([salient_idx, anchors]))]
+            merged = official_merge(flat[anchors], flat[merge], beta)
+            for a, m in zip(anchors.tolist(), merged):
+                out[start * n + a] = m
+        start += length
+    return out
+
+
+def smooth_video(frames, n, dim, seed, scene_every=3):
+    """Frames that drift slowly inside scenes of `scene_every` frames (so segments of several frames appear)."""
+    g = torch.Generator().manual_seed(seed)
+    scenes = [torch.randn(n, dim, generator=g, dtype=torch.float64) for _ in range(frames)]
+    video = torch.stack(
+        [scenes[f // scene_every] + 0.3 * torch.randn(n, dim, generator=g, dtype=torch.float64) for f in range(frames)]
+    )
+    return video, torch.rand(frames, n, generator=g, dtype=torch.float64)
+
+
+# --- DySeg and budgets --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("c,tau", [(8, 0.9), (2, 0.9), (4, 0.5), (1, 0.99)])
+def test_dyseg_matches_the_official_cut(seed, c, tau):
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(4, 16, generator=g, dtype=torch.float64)
+    glob = torch.stack([base[f // 4] + 0.3 * torch.randn(16, generator=g, dtype=torch.float64) for f in range(12)])
+    sizes = dyseg(normalize_rows(glob), c, tau)
+    assert sum(sizes) == 12
+    if c > 1 or bool(((normalize_rows(glob)[:-1] * normalize_rows(glob)[1:]).sum(1) < tau).any()):
+        assert sizes == official_segments(glob, c, tau)
+
+
+def test_dyseg_known_answer_and_short_videos():
+    # frames 0-2 along e0, 3-4 along e1, 5 along e2: similarities [1, 1, 0, 1, 0]
+    eye = torch.eye(3, dtype=torch.float64)
+    glob = eye[[0, 0, 0, 1, 1, 2]]
+    assert dyseg(glob, c=1, tau=0.5) == [3, 2, 1]
+    assert dyseg(glob, c=2, tau=-1.0) == [3, 3]  # the single lowest similarity (first of the two zeros)
+    assert dyseg(glob, c=8, tau=-1.0) == [1, 1, 1, 1, 1, 1]  # c - 1 capped at F - 1 (the official topk would fail)
+    assert dyseg(glob[:1], c=8, tau=0.9) == [1]
+
+
+def test_llava_budget_and_quotas():
+    assert llava_frame_budget(196, 0.10, 0.4) == (12, 7)  # R = 19: 12 salient + 7 context
+    assert llava_frame_budget(196, 0.25, 0.4) == (30, 19)
+    assert llava_frame_budget(169, 0.10, 0.4) == (10, 6)
+    # segments [1, 8, 3], C = 7, p = 4: 8 frames -> 2 anchor frames (from the end) with 56 // 2; 3 -> 1 with 21
+    assert llava_anchor_quotas([1, 8, 3], [7] * 12, 4) == [7, 0, 0, 0, 28, 0, 0, 0, 28, 0, 0, 21]
+    assert llava_anchor_quotas([5], [7] * 5, 4) == [17, 0, 0, 0, 17]  # 35 // 2
+    assert llava_anchor_quotas([3], [1] * 3, 2) == [1, 0, 1]  # quota == C: the official single-frame path
+
+
+@pytest.mark.parametrize("seg_len", [1, 2, 3, 5, 8, 13])
+@pytest.mark.parametrize("r", [0.05, 0.27, 0.5, 0.9])
+@pytest.mark.parametrize("p", [1, 2, 4])
+def test_qwen_quotas_match_the_official_loops(seg_len, r, p):
+    g = torch.Generator().manual_seed(seg_len * 10 + p)
+    n = 48
+    cuts = sorted(torch.randperm(max(seg_len - 1, 1), generator=g)[: max(seg_len // 2, 0)].tolist())
+    subs = [1] if seg_len == 1 else [b - a for a, b in zip([-1] + cuts, cuts + [seg_len - 1])]
+    sal, ctx = qwen25_segment_quotas([int(n * r)] * seg_len, [n] * seg_len, subs, 0.4, p)
+    assert (sal, ctx) == official_qwen_quotas(seg_len, n, int(n * r), subs, 0.4, p)
+    assert sum(sal) + sum(ctx) <= int(n * r) * seg_len or seg_len == 1
+
+
+# --- the DTM merge ------------------------------------------------------------------------------------------------
+
+
+def test_dtm_merge_known_answer():
+    anchors = torch.tensor([[1.0, 0.0], [0.0, 2.0]])
+    members = torch.tensor([[3.0, 0.1], [0.2, 1.0], [5.0, -0.1], [1.0, 0.0]])
+    new, assign, counts, weight = dtm_merge(anchors, members, beta=0.6)
+    assert assign.tolist() == [0, 1, 0, 0] and counts.tolist() == [3, 1]
+    assert weight.tolist() == pytest.approx([0.6, 0.6])  # 1 / (count + 1) <= 0.5 < beta
+    torch.testing.assert_close(new[0], 0.6 * anchors[0] + 0.4 * members[[0, 2, 3]].mean(0))
+    torch.testing.assert_close(new[1], 0.6 * anchors[1] + 0.4 * members[1])
+    # an anchor nobody joins keeps itself (w = 1 / (0 + 1) = 1); beta = 0 gives the plain 1 / (count + 1)
+    new, _, counts, weight = dtm_merge(anchors, members[:1], beta=0.0)
+    assert counts.tolist() == [1, 0] and weight.tolist() == [0.5, 1.0]
+    torch.testing.assert_close(new, torch.stack([(anchors[0] + members[0]) / 2, anchors[1]]))
+
+
+# --- both versions against the official structure -----------------------------------------------------------------
+
+
+def _as_dict(out: VideoTokens) -> dict:
+    return {int(p): e for p, e in zip(out.positions.tolist(), out.embeds)}
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("c,tau,p", [(8, 0.9, 4), (2, -1.0, 4), (3, 0.5, 2), (1, -1.0, 1)])
+def test_llava_version_matches_the_official_code(seed, c, tau, p):
+    frames, h, w, dim = 10, 5, 6, 8
+    video, attn = smooth_video(frames, h * w, dim, seed)
+    glob = video.mean(dim=1)
+    ref = official_llava(video, attn, glob, 0.3, c, tau, 0.4, p, 0.6) if c > 1 else None
+    tokens = make_tokens(video.reshape(-1, dim), (frames, h, w))
+    idx = list(torch.arange(frames * h * w).view(frames, -1))
+    plan = fastvid_llava(tokens.embeds, idx, attn.flatten(), glob, 0.3, c, tau, 0.4, p, 0.6, 4, torch.Generator())
+    out = assemble(tokens, plan, attn.flatten(), None, h * w)
+    assert out.positions.tolist() == sorted(out.positions.tolist())  # original order, original positions
+    assert len(out) == plan.kept
+    if ref is None:  # c = 1: the official topk(k=0) leaves only the tau cuts (none here): one segment
+        assert plan.segments == [frames]
+        return
+    ours = _as_dict(out)
+    assert sorted(ours) == sorted(ref)
+    for key, value in ref.items():
+        torch.testing.assert_close(ours[key], value)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize(
+    "c,tau,ignore,p", [(8, 0.84, 0.95, 4), (2, -1.0, 0.95, 4), (2, -1.0, 0.0, 2), (3, 0.2, 0.5, 1)]
+)
+def test_qwen_version_matches_the_official_code(seed, c, tau, ignore, p):
+    frames, h, w, dim = 9, 4, 6, 8
+    video, attn = smooth_video(frames, h * w, dim, seed)
+    glob = video.mean(dim=1)
+    ref = official_qwen(video, attn, glob, 0.27, c, tau, ignore, 0.4, p, 0.6)
+    tokens = make_tokens(video.reshape(-1, dim), (frames, h, w))
+    idx = list(torch.arange(frames * h * w).view(frames, -1))
+    plan = fastvid_qwen25(
+        tokens.embeds, idx, attn.flatten(), glob, 0.27, c, tau, ignore, 0.4, p, 0.6, 4, torch.Generator()
+    )
+    out = assemble(tokens, plan, attn.flatten(), None, h * w)
+    ours = _as_dict(out)
+    assert sorted(ours) == sorted(ref) and len(out) == plan.kept
+    for key, value in ref.items():
+        torch.testing.assert_close(ours[key], value)
+
+
+def test_merged_tokens_follow_the_linear_map():
+    """The explicit embeds equal the linear map tokens.merge applies to side features (Qwen3-VL DeepStack)."""
+    frames, h, w, dim = 6, 4, 4, 5
+    video, attn = smooth_video(frames, h * w, dim, 0, scene_every=6)
+    tokens = make_tokens(video.reshape(-1, dim), (frames, h, w))
+    tokens.extras["deepstack"] = tokens.embeds.clone()
+    idx = list(torch.arange(frames * h * w).view(frames, -1))
+    for fn in (fastvid_llava, fastvid_qwen25):
+        plan = fn(tokens.embeds, idx, attn.flatten(), video.mean(1), 0.4, c=1, tau=-1.0, generator=torch.Generator())
+        assert plan.segments == [frames] and plan.merges
+        out = assemble(tokens, plan, attn.flatten(), None, h * w)
+        torch.testing.assert_close(out.extras["deepstack"], out.embeds)
+
+
+# --- plugin: retention mapping, defaults, fixed count ------------------------------------------------------------
+
+
+def test_params_defaults_and_validation():
+    p = FastVIDParams()
+    assert (p.dyseg_c, p.dyseg_tau, p.dyseg_ignore, p.stprune_d, p.dtm_p, p.dtm_beta, p.knn) == (
+        8,
+        None,
+        0.95,
+        0.4,
+        4,
+        0.6,
+        4,
+    )
+    assert p.retention_ratio is None and p.version == "auto" and not p.fixed_count
+    for bad in (dict(retention_ratio=0.0), dict(dyseg_c=0), dict(stprune_d=1.5), dict(dtm_p=0), dict(version="x")):
+        with pytest.raises(ValueError, match="fastvid"):
+            FastVIDParams(**bad)
+    info = vtc.registry()["fastvid"]
+    assert info.stages == ("connect",) and info.position_policy == "keep" and info.fixed_count
+    assert not info.query_aware
+
+
+def test_retention_mapping_and_family_defaults():
+    plugin = FastVID(FastVIDParams(), None)
+    assert plugin.ratio(plugin.version()) is None  # family unknown until patched
+    plugin.vision_stats("llava_onevision")
+    assert plugin.version() == "llava" and plugin.ratio("llava") == 0.10
+    qwen = FastVID(FastVIDParams(), None)
+    assert qwen.vision_stats("qwen2_5_vl") == [VisionStat("mean_query", -1)]
+    assert qwen.version() == "qwen2_5_vl" and qwen.ratio("qwen2_5_vl") == 0.27
+    assert FastVID(FastVIDParams(), 0.25).ratio("qwen2_5_vl") == 0.25  # r = retention
+    assert FastVID(FastVIDParams(retention_ratio=0.2), 0.25).ratio("llava") == 0.2  # the parameter wins
+    assert FastVID(FastVIDParams(version="llava"), None).version("qwen2_vl") == "llava"
+    assert FastVID(FastVIDParams(), None).vision_stats("llava_next_video") == [VisionStat("cls", -1)]
+
+
+def test_counts_adaptive_by_default_fixed_on_request():
+    adaptive = FastVID(FastVIDParams(), 0.1)
+    assert adaptive.retained_count(32 * 196, (32, 14, 14)) is None
+    assert FastVID(FastVIDParams(), 1.0).retained_count(576, (4, 12, 12)) == 576
+    fixed = FastVID(FastVIDParams(fixed_count=True), 0.1)
+    assert fixed.retained_count(32 * 196, (32, 14, 14)) == 32 * 19
+    assert fixed_target(100, (32, 14, 14), 0.1) == 10  # a thinned video: int(N r)
+
+
+@pytest.mark.parametrize("family", ["llava_onevision", "qwen2_5_vl"])
+def test_fixed_count_is_exact_and_tops_up_by_salience(family):
+    frames, h, w, dim = 8, 6, 6, 8
+    video, attn = smooth_video(frames, h * w, dim, 3, scene_every=4)
+    tokens = make_tokens(video.reshape(-1, dim).float(), (frames, h, w), mrope=family.startswith("qwen"))
+    stat = VisionStat("mean_query", -1) if family.startswith("qwen") else VisionStat("received", -1)
+    vision = {stat: attn.float() * (h * w if stat.kind == "received" else 1)}
+    ctx = Context(family=family, vision=vision, generator=torch.Generator().manual_seed(0))
+    kw = dict(dyseg_c=1, dyseg_tau=-1.0)
+    adaptive = FastVID(FastVIDParams(**kw), 0.3)
+    out = adaptive.vtc_connect(tokens=tokens, ctx=ctx)
+    fixed = FastVID(FastVIDParams(fixed_count=True, **kw), 0.3)
+    ctx = Context(family=family, vision=vision, generator=torch.Generator().manual_seed(0))
+    out_fixed = fixed.vtc_connect(tokens=tokens, ctx=ctx)
+    target = frames * int(h * w * 0.3)
+    assert adaptive.last_kept == [len(out)] and fixed.last_kept == [len(out_fixed)] == [target]
+    assert fixed.retained_count(len(tokens), tokens.grid) == target
+    assert len(out) <= target
+    kept = set(_keys(out))
+    added = [k for k in _keys(out_fixed) if k not in kept]
+    assert len(added) == target - len(out)
+    if added:  # the top-ups are the most salient of the tokens the adaptive plan left out
+        flat = attn.flatten()
+        left_out = sorted((k for k in range(len(tokens)) if k not in kept), key=lambda k: -float(flat[k]))
+        assert sorted(added) == sorted(left_out[: len(added)])
+
+
+def _keys(out: VideoTokens) -> list[int]:
+    """Grid index (frame-major) of each token."""
+    _, h, w = out.grid
+    return (out.frame * h * w + out.row * w + out.col).tolist()
+
+
+def test_full_retention_keeps_the_tokens_object():
+    tokens = make_tokens(torch.randn(32, 4), (2, 4, 4))
+    ctx = Context(family="llava_onevision", vision={VisionStat("received", -1): torch.rand(2, 16)})
+    plugin = FastVID(FastVIDParams(), 1.0)
+    assert plugin.vtc_connect(tokens=tokens, ctx=ctx) is tokens and plugin.last_kept == [32]
+
+
+def test_salience_maps_per_family():
+    g = torch.Generator().manual_seed(0)
+    received = torch.rand(3, 729, generator=g)
+    out = salience_map({VisionStat("received", -1): received}, "llava_onevision", (14, 14))
+    ref = F.interpolate((received / 729).reshape(3, 1, 27, 27), size=[14, 14], mode="bilinear").reshape(3, 196)
+    torch.testing.assert_close(out, ref)  # get_attn_2dPool of the official code
+    cls = torch.rand(3, 4, 577, generator=g)
+    out = salience_map({VisionStat("cls", -1): cls}, "llava_next_video", (12, 12))
+    ref = F.avg_pool2d(cls.mean(dim=1)[:, 1:].reshape(3, 1, 24, 24), 2).reshape(3, 144)
+    torch.testing.assert_close(out, ref)
+    mq = torch.rand(2, 36, generator=g)
+    assert torch.equal(salience_map({VisionStat("mean_query", -1): mq}, "qwen2_5_vl", (6, 6)), mq)
+
+
+# --- the patched models -------------------------------------------------------------------------------------------
+
+
+class Capture:
+    def __init__(self, family):
+        self.stats = FastVID(FastVIDParams(), None).vision_stats(family)
+        self.seen = []
+
+    def vision_stats(self, family):
+        return self.stats
+
+    @hookimpl
+    def vtc_connect(self, tokens, ctx):
+        self.seen.append((tokens, ctx))
+        return tokens
+
+
+def _captured(model, family, inputs):
+    pipeline = vtc.api.Pipeline("random", retention=1.0)
+    spy = Capture(family)
+    pipeline.entries[0].plugin = spy
+    patch = vtc.api.ModelPatch(vtc.api.resolve_adapter(model), pipeline, vtc.api.StatsRecorder())
+    patch.install()
+    try:
+        with torch.no_grad():
+            model(**inputs)
+    finally:
+        patch.remove()
+    return spy.seen[0]
+
+
+@pytest.mark.parametrize("family", ["llava_onevision", "qwen2_5_vl"])
+def test_patched_model_sees_the_plan_on_the_models_statistics(family):
+    """The LLM receives exactly the plan the pure function makes from the model's own statistics (the tiny
+    models' flat synthetic frames tie many densities, so the tie-breaking noise comes from the same seeded
+    generator vtc hands the plugin), in the original order and, on LLaVA, at the original positions."""
+    model, _ = model_and_processor(family)
+    inputs = single_inputs(family)
+    tokens, ctx = _captured(model, family, inputs)
+    t, h, w = tokens.grid
+    salience = salience_map(ctx.vision, family, (h, w))[tokens.frame, tokens.patch]
+    idx = list(torch.arange(t * h * w).view(t, -1))
+    glob = tokens.embeds.reshape(t, h * w, -1).mean(1)
+    kw = dict(c=2, tau=-1.0, generator=torch.Generator().manual_seed(0))  # c = 2: a multi-frame segment
+    if family.startswith("qwen"):
+        plan = fastvid_qwen25(tokens.embeds, idx, salience, glob, 0.3, **kw)
+    else:
+        plan = fastvid_llava(tokens.embeds, idx, salience, glob, 0.3, **kw)
+    assert any(length > 1 for length in plan.segments) and plan.merges
+    expected = assemble(tokens, plan, salience, None, h * w)
+    full_embeds, full_positions, _ = _llm_inputs(model, inputs)
+    out, positions, plugin = _llm_inputs(model, inputs, retention=0.3, dyseg_c=2, dyseg_tau=-1.0)
+    assert sum(plugin.last_kept) == len(expected) == plan.kept and plugin.last_plans[0].segments == plan.segments
+    video_mask = inputs["input_ids"][0] == vtc.api.resolve_adapter(model).video_token_id
+    slots = torch.nonzero(video_mask).flatten()[: t * h * w]
+    keep = torch.tensor(_keys(expected))
+    text_idx = torch.nonzero(~torch.isin(torch.arange(video_mask.numel()), slots)).flatten()  # incl. newline
+    order = torch.sort(torch.cat([text_idx, slots[keep]])).values
+    is_video = torch.isin(order, slots)
+    assert out.shape[0] == order.numel()
+    torch.testing.assert_close(out[is_video], expected.embeds)
+    assert torch.equal(out[~is_video], full_embeds[text_idx])
+    # original positions, gathered at the kept tokens (LLaVA: gaps, as the official position_ids = keep_indexs)
+    if full_positions is None:
+        full_positions = torch.arange(video_mask.numel())[None]
+    assert torch.equal(
+        positions[..., 0, :] if positions.dim() == 3 else positions[0],
+        full_positions[..., 0, order] if full_positions.dim() == 3 else full_positions[0, order],
+    )
+
+
+def _llm_inputs(model, inputs, **kwargs):
+    """(inputs_embeds, position_ids) the language model receives, and the plugin when patched with fastvid."""
+    seen = {}
+
+    def grab(module, args, kw):
+        seen.setdefault("embeds", kw["inputs_embeds"])
+        seen.setdefault("positions", kw.get("position_ids"))
+
+    text = vtc.api.resolve_adapter(model).text_model
+    handle = vtc.patch(model, "fastvid", **kwargs) if kwargs else None
+    probe = text.register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model(**inputs)
+    finally:
+        probe.remove()
+        if handle is not None:
+            handle.unpatch()
+    return seen["embeds"][0], seen["positions"], handle.pipeline.entries[0].plugin if handle else None
+
+
+def test_last_kept_reports_every_video_of_the_last_forward():
+    model, _ = model_and_processor("llava_onevision")
+    with vtc.patch(model, "fastvid", retention=0.3) as handle:
+        plugin = handle.pipeline.entries[0].plugin
+        for inputs, videos in ((batch_inputs("llava_onevision"), 2), (single_inputs("llava_onevision"), 1)):
+            with torch.no_grad():
+                model(**inputs)
+            assert len(plugin.last_kept) == videos
+            assert sum(plugin.last_kept) == handle.stats().visual_tokens_out
+
+
+def test_exact_count_on_every_frame_grid():
+    """At the defaults (c = 8 > frames: every frame its own segment) the LLaVA version keeps int(n r) per frame."""
+    model, _ = model_and_processor("llava_next_video")
+    with vtc.patch(model, "fastvid", retention=0.25) as handle:
+        with torch.no_grad():
+            model(**single_inputs("llava_next_video"))
+        assert handle.stats().visual_tokens_out == 8 * math.floor(144 * 0.25)

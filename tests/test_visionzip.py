@@ -1,0 +1,356 @@
+"""VisionZip: counts and the retention mapping, the per-frame selection against a loop re-derivation of the
+port's `visionzip(...)` (HoliTom `visionzip/llava_arch.py`), hand-built frames whose answer is known, the
+attention maps per family, the token order per family, and the patched models end to end."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import vtc
+from tests.conftest import model_and_processor, single_inputs
+from vtc.hookspecs import hookimpl
+from vtc.tokens import Context, VideoTokens
+from vtc.vision import VisionStat
+from vtc_plugins.visionzip import (
+    VisionZip,
+    VisionZipParams,
+    contextual_features,
+    frame_tokens,
+    pool_map,
+    select_frame,
+    split_counts,
+    token_grid_maps,
+)
+
+
+def make_tokens(embeds: torch.Tensor, grid, mrope: bool = False) -> VideoTokens:
+    t, h, w = grid
+    n = t * h * w
+    flat = torch.arange(n)
+    positions = torch.stack([flat // (h * w), (flat // w) % h, flat % w]) if mrope else flat
+    return VideoTokens(
+        embeds=embeds,
+        positions=positions,
+        frame=flat // (h * w),
+        row=(flat // w) % h,
+        col=flat % w,
+        weight=torch.ones(n),
+        grid=grid,
+    )
+
+
+def port_reference(hidden, attention, metric, dominant_num, contextual_num):
+    """Loop re-derivation of the port's per-frame `visionzip` (one_token models): hidden [S, D], attention [S],
+    metric [S, d] -> tokens [dominant (spatial order); contextual (target order)]."""
+    seq_len = hidden.shape[0]
+    top = set(torch.topk(attention, dominant_num).indices.tolist())
+    dominant = [i for i in range(seq_len) if i in top]
+    rest = [i for i in range(seq_len) if i not in top]
+    normalized = [metric[i] / metric[i].norm() for i in rest]
+    step = max(1, len(rest) // contextual_num)
+    targets = list(range(0, len(rest), step))[:contextual_num]
+    sums = [torch.zeros_like(hidden[0]) for _ in targets]
+    counts = [0 for _ in targets]
+    for j in range(len(rest)):
+        if j in targets:
+            continue
+        sims = [float(normalized[j] @ normalized[t]) for t in targets]
+        best = max(range(len(targets)), key=lambda k: (sims[k], -k))  # argmax: first maximum
+        sums[best] = sums[best] + hidden[rest[j]]
+        counts[best] += 1
+    contextual = [hidden[rest[t]] + sums[k] / max(counts[k], 1) for k, t in enumerate(targets)]
+    return torch.stack([hidden[i] for i in dominant] + contextual), dominant, [rest[t] for t in targets]
+
+
+# --- counts -------------------------------------------------------------------------------------------------------
+
+
+def test_retention_maps_to_the_ports_spatial_tokens():
+    # the port's SPATIAL_TOKENS for 10/15/20 % of 196 tokens; 25 % gives 49 (the port ran 50)
+    assert [frame_tokens(196, r) for r in (0.10, 0.15, 0.20, 0.25)] == [20, 30, 40, 49]
+    assert frame_tokens(196, None) == 50  # the port's default SPATIAL_TOKENS
+    assert frame_tokens(196, 1.0) == 196 and frame_tokens(144, 0.001) == 1
+    assert frame_tokens(200, 0.35) == 70  # no float ceil artefact (0.35 * 200 = 70.00000000000001)
+
+
+def test_split_counts_use_the_54_64_dominant_ratio():
+    assert [split_counts(s) for s in (20, 30, 40, 50)] == [(16, 4), (25, 5), (33, 7), (42, 8)]
+    assert split_counts(64) == (54, 10)  # the README's LLaVA-1.5 setting
+    assert split_counts(1) == (0, 1)
+
+
+def test_params_defaults_and_validation():
+    p = VisionZipParams()
+    assert p.tokens_per_frame is None and p.dominant_ratio == 54 / 64 and p.merge_before_projector
+    with pytest.raises(ValueError, match="both"):
+        VisionZipParams(dominant=10)
+    with pytest.raises(ValueError, match="not both"):
+        VisionZipParams(tokens_per_frame=10, dominant=5, contextual=5)
+    with pytest.raises(ValueError, match="dominant_ratio"):
+        VisionZipParams(dominant_ratio=1.5)
+    with pytest.raises(ValueError, match="tokens_per_frame"):
+        VisionZipParams(tokens_per_frame=0)
+
+
+def test_retained_count_is_fixed_per_frame():
+    plugin = VisionZip(VisionZipParams(), 0.10)
+    assert plugin.retained_count(32 * 196, (32, 14, 14)) == 32 * 20
+    assert VisionZip(VisionZipParams(tokens_per_frame=50), 0.10).retained_count(8 * 196, (8, 14, 14)) == 400
+    assert VisionZip(VisionZipParams(dominant=54, contextual=10), None).retained_count(4 * 144, (4, 12, 12)) == 256
+    assert VisionZip(VisionZipParams(), 1.0).retained_count(4 * 144, (4, 12, 12)) == 4 * 144
+    assert plugin.retained_count(100, (32, 14, 14)) is None  # thinned by an earlier plugin
+    info = vtc.registry()["visionzip"]
+    assert info.stages == ("connect",) and info.fixed_count and info.position_policy == "compact"
+    assert not info.query_aware
+
+
+# --- the per-frame selection --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("dominant,contextual", [(42, 8), (16, 4), (0, 7), (30, 1), (50, 0)])
+def test_select_frame_matches_the_port(seed, dominant, contextual):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(196, 12, generator=g, dtype=torch.float64)
+    attention = torch.rand(196, generator=g, dtype=torch.float64)
+    metric = torch.randn(196, 6, generator=g, dtype=torch.float64)
+    plan = select_frame(attention, metric, dominant, contextual)
+    merged = contextual_features(hidden[plan.targets], hidden[plan.members], plan.assign)
+    ours = torch.cat([hidden[plan.dominant], merged])
+    if contextual == 0:  # the port divides by zero here; vtc keeps the dominant tokens only
+        assert plan.targets.numel() == 0 and plan.dominant.tolist() == sorted(plan.dominant.tolist())
+        return
+    ref, ref_dominant, ref_targets = port_reference(hidden, attention, metric, dominant, contextual)
+    assert plan.dominant.tolist() == ref_dominant and plan.targets.tolist() == ref_targets
+    assert sorted(plan.members.tolist()) == sorted(set(range(196)) - set(ref_dominant) - set(ref_targets))
+    torch.testing.assert_close(ours, ref)
+
+
+def test_select_frame_known_answer():
+    # 8 tokens; tokens 2 and 5 draw the most attention; the 6 others alternate between two key directions
+    attention = torch.tensor([0.1, 0.2, 0.9, 0.1, 0.1, 0.8, 0.1, 0.1])
+    metric = torch.tensor([[1.0, 0], [0, 1], [5, 5], [1, 0.1], [0.1, 1], [5, 5], [1, 0], [0, 1]])
+    plan = select_frame(attention, metric, 2, 2)
+    assert plan.dominant.tolist() == [2, 5]
+    # remaining [0, 1, 3, 4, 6, 7]; step 6 // 2 = 3 -> targets at remaining positions 0 and 3 = tokens 0 and 4
+    assert plan.targets.tolist() == [0, 4]
+    assert dict(zip(plan.members.tolist(), plan.assign.tolist())) == {1: 1, 3: 0, 6: 0, 7: 1}
+    hidden = torch.arange(8.0).unsqueeze(-1)
+    merged = contextual_features(hidden[plan.targets], hidden[plan.members], plan.assign)
+    assert merged.flatten().tolist() == [0 + (3 + 6) / 2, 4 + (1 + 7) / 2]  # h_t + mean(members), not a mean
+
+
+def test_empty_cluster_adds_nothing():
+    targets = torch.tensor([[1.0], [2.0]])
+    out = contextual_features(targets, torch.tensor([[4.0], [6.0]]), torch.tensor([0, 0]))
+    assert out.flatten().tolist() == [6.0, 2.0]
+
+
+# --- attention maps -----------------------------------------------------------------------------------------------
+
+
+def test_pool_map_matches_the_models_pooling():
+    x = torch.randn(3, 729, 5)
+    grid = x.reshape(3, 27, 27, 5).permute(0, 3, 1, 2)
+    ref = F.interpolate(grid, size=[14, 14], mode="bilinear").permute(0, 2, 3, 1).reshape(3, 196, 5)
+    torch.testing.assert_close(pool_map(x, (14, 14), "bilinear"), ref)
+    y = torch.randn(2, 576, 3)
+    ref = F.avg_pool2d(y.reshape(2, 24, 24, 3).permute(0, 3, 1, 2), 2).permute(0, 2, 3, 1).reshape(2, 144, 3)
+    torch.testing.assert_close(pool_map(y, (12, 12), "average"), ref)
+    assert pool_map(y, (24, 24), "none") is y
+
+
+def test_token_grid_maps_per_family():
+    g = torch.Generator().manual_seed(0)
+    cls = torch.rand(2, 4, 577, generator=g)
+    keys = torch.randn(2, 577, 3, generator=g)
+    vision = {VisionStat("cls", -1): cls, VisionStat("keys", -1): keys}
+    attention, metric = token_grid_maps(vision, "llava_next_video", (12, 12))
+    summed = cls[:, :, 1:].sum(dim=1)  # official: attn[:, :, 0, 1:].sum(dim=1)
+    torch.testing.assert_close(attention, F.avg_pool2d(summed.reshape(2, 1, 24, 24), 2).reshape(2, 144))
+    torch.testing.assert_close(metric, pool_map(keys[:, 1:], (12, 12), "average"))
+    received = torch.rand(2, 729, generator=g) * 729
+    vision = {VisionStat("received", -1): received, VisionStat("keys", -1): torch.randn(2, 729, 3, generator=g)}
+    attention, _ = token_grid_maps(vision, "llava_onevision", (14, 14))
+    mean_received = (received / 729).reshape(2, 1, 27, 27)  # attentions[-1].mean(heads).mean(queries)
+    torch.testing.assert_close(attention, F.interpolate(mean_received, size=[14, 14], mode="bilinear").flatten(1))
+    vision = {VisionStat("received", -1): received[:, :144], VisionStat("keys", -1): keys[:, :144]}
+    attention, metric = token_grid_maps(vision, "qwen2_vl", (12, 12))
+    assert attention.shape == (2, 144) and torch.equal(metric, keys[:, :144])
+
+
+# --- the plugin on hand-built tokens ------------------------------------------------------------------------------
+
+
+def _qwen_context(grid, seed=0):
+    t, h, w = grid
+    g = torch.Generator().manual_seed(seed)
+    vision = {
+        VisionStat("received", -1): torch.rand(t, h * w, generator=g),
+        VisionStat("keys", -1): torch.randn(t, h * w, 4, generator=g),
+    }
+    return Context(family="qwen2_vl", vision=vision), vision
+
+
+@pytest.mark.parametrize("mrope", [False, True])
+def test_connect_per_frame_order_and_features(mrope):
+    grid = (3, 4, 4)
+    embeds = torch.randn(48, 8, generator=torch.Generator().manual_seed(1))
+    tokens = make_tokens(embeds, grid, mrope)
+    ctx, vision = _qwen_context(grid)
+    out = VisionZip(VisionZipParams(tokens_per_frame=6), None).vtc_connect(tokens=tokens, ctx=ctx)
+    dominant, contextual = split_counts(6)
+    expected, kept = [], []
+    for f in range(3):
+        rows = slice(16 * f, 16 * (f + 1))
+        attention = vision[VisionStat("received", -1)][f] / 16
+        ref, dom, targets = port_reference(
+            embeds[rows], attention, vision[VisionStat("keys", -1)][f], dominant, contextual
+        )
+        expected.append(ref)
+        kept += [16 * f + i for i in dom + targets]
+    expected = torch.cat(expected)
+    kept = torch.tensor(kept)
+    if mrope:  # Qwen: original order (positions are kept)
+        order = torch.argsort(kept)
+        expected, kept = expected[order], kept[order]
+        assert torch.equal(out.positions, tokens.positions[:, kept])
+    else:  # LLaVA: the port's order, per frame [dominant; contextual]
+        assert torch.equal(out.positions, kept)
+    torch.testing.assert_close(out.embeds, expected)
+    assert len(out) == 18 and out.weight.sum() == 48
+
+
+def test_connect_keeps_everything_at_full_budget():
+    grid = (2, 3, 3)
+    tokens = make_tokens(torch.randn(18, 4), grid)
+    ctx, _ = _qwen_context(grid)
+    plugin = VisionZip(VisionZipParams(), 1.0)
+    assert plugin.vtc_connect(tokens=tokens, ctx=ctx) is tokens
+    assert VisionZip(VisionZipParams(tokens_per_frame=9), None).vtc_connect(tokens=tokens, ctx=ctx) is tokens
+
+
+def test_connect_on_frames_an_earlier_plugin_thinned():
+    grid = (2, 4, 4)
+    tokens = make_tokens(torch.randn(32, 4), grid)
+    thinned = tokens.select(torch.tensor(list(range(0, 16, 4)) + list(range(16, 32))))  # frame 0: 4 tokens
+    ctx, _ = _qwen_context(grid)
+    out = VisionZip(VisionZipParams(tokens_per_frame=6), None).vtc_connect(tokens=thinned, ctx=ctx)
+    assert int((out.frame == 0).sum()) == 4 and int((out.frame == 1).sum()) == 6
+
+
+# --- the patched models -------------------------------------------------------------------------------------------
+
+
+class Capture:
+    """A connect plugin that records the tokens and context VisionZip would get, and keeps everything."""
+
+    def __init__(self, family):
+        self.stats = VisionZip(VisionZipParams(), None).vision_stats(family)
+        self.needs_prepool = True
+        self.seen = []
+
+    def vision_stats(self, family):
+        return self.stats
+
+    @hookimpl
+    def vtc_connect(self, tokens, ctx):
+        self.seen.append((tokens, ctx))
+        return tokens
+
+
+def _captured(model, family, inputs):
+    pipeline = vtc.api.Pipeline("random", retention=1.0)
+    spy = Capture(family)
+    pipeline.entries[0].plugin = spy
+    patch = vtc.api.ModelPatch(vtc.api.resolve_adapter(model), pipeline, vtc.api.StatsRecorder())
+    patch.install()
+    try:
+        with torch.no_grad():
+            model(**inputs)
+    finally:
+        patch.remove()
+    return spy.seen[0]
+
+
+def _llm_inputs(model, inputs, **kwargs):
+    seen = {}
+
+    def grab(module, args, kw):
+        seen.setdefault("embeds", kw["inputs_embeds"])
+        seen.setdefault("positions", kw.get("position_ids"))
+
+    text = vtc.api.resolve_adapter(model).text_model
+    with vtc.patch(model, "visionzip", **kwargs) as handle:
+        probe = text.register_forward_pre_hook(grab, with_kwargs=True)
+        try:
+            with torch.no_grad():
+                model(**inputs)
+        finally:
+            probe.remove()
+        stats = handle.stats()
+    return seen["embeds"][0], seen["positions"], stats
+
+
+def test_patched_llava_onevision_matches_the_port_on_the_models_statistics():
+    family = "llava_onevision"
+    model, _ = model_and_processor(family)
+    inputs = single_inputs(family)
+    tokens, ctx = _captured(model, family, inputs)
+    t, h, w = tokens.grid
+    attention, metric = token_grid_maps(ctx.vision, family, (h, w))
+    dominant, contextual = split_counts(frame_tokens(h * w, 0.25))
+    expected = torch.cat(
+        [
+            port_reference(tokens.embeds[f * h * w : (f + 1) * h * w], attention[f], metric[f], dominant, contextual)[0]
+            for f in range(t)
+        ]
+    )
+    out, positions, stats = _llm_inputs(model, inputs, retention=0.25)
+    video = inputs["input_ids"][0] == vtc.api.resolve_adapter(model).video_token_id
+    start = int(torch.nonzero(video)[0])
+    assert stats.visual_tokens_out == t * 49 == len(expected)
+    torch.testing.assert_close(out[start : start + len(expected)], expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(positions.flatten(), torch.arange(out.shape[0]))  # renumbered, as LLaVA does
+
+
+def test_patched_llava_next_video_merges_clip_features_before_the_projector():
+    family = "llava_next_video"
+    model, _ = model_and_processor(family)
+    inputs = single_inputs(family)
+    tokens, ctx = _captured(model, family, inputs)
+    t, h, w = tokens.grid
+    attention, metric = token_grid_maps(ctx.vision, family, (h, w))
+    pooled = F.avg_pool2d(ctx.prepool.permute(0, 3, 1, 2), 2).permute(0, 2, 3, 1).reshape(t, h * w, -1)
+    projector = model.model.multi_modal_projector
+    dominant, contextual = split_counts(frame_tokens(h * w, 0.2))
+    expected = []
+    for f in range(t):
+        ref, dom, targets = port_reference(pooled[f], attention[f], metric[f], dominant, contextual)
+        with torch.no_grad():
+            expected.append(projector(ref))
+        # the dominant tokens are the model's own tokens
+        torch.testing.assert_close(expected[-1][:dominant], tokens.embeds[f * h * w + torch.tensor(dom)])
+    expected = torch.cat(expected)
+    out, positions, stats = _llm_inputs(model, inputs, retention=0.2)
+    video = inputs["input_ids"][0] == vtc.api.resolve_adapter(model).video_token_id
+    start = int(torch.nonzero(video)[0])
+    assert stats.visual_tokens_out == t * math.ceil(0.2 * 144) == len(expected)
+    torch.testing.assert_close(out[start : start + len(expected)], expected, atol=1e-5, rtol=1e-5)
+    # merging after the projector instead gives other features (the projector is not linear)
+    post, _, _ = _llm_inputs(model, inputs, retention=0.2, merge_before_projector=False)
+    assert not torch.allclose(post, out)
+
+
+def test_patched_qwen2_5_vl_keeps_positions_and_order():
+    family = "qwen2_5_vl"
+    model, _ = model_and_processor(family)
+    inputs = single_inputs(family)
+    out, positions, stats = _llm_inputs(model, inputs, retention=0.25)
+    assert stats.grids == [(4, 12, 12)] and stats.visual_tokens_out == 4 * 36
+    t_pos = positions[0, 0]
+    assert bool((t_pos[1:] >= t_pos[:-1]).all())  # temporal positions never go back
