@@ -14,10 +14,10 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from vtc_kernels import topk_mask
 
 from vtc.hookspecs import hookimpl
 from vtc.registry import MethodInfo
+from vtc_kernels import topk_mask
 
 
 @dataclasses.dataclass

@@ -21,11 +21,11 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from vtc_kernels import chain_anchors, chain_order, chain_similarity, topk_indices, topk_mask
-from vtc_kernels.similarity import NO_PREDECESSOR
 
 from vtc.hookspecs import hookimpl
 from vtc.registry import MethodInfo
+from vtc_kernels import chain_anchors, chain_order, chain_similarity, topk_indices, topk_mask
+from vtc_kernels.similarity import NO_PREDECESSOR
 
 # S_th of the official examples: example_qwen2vl.py uses 0.5, README / example_llava.py 0.6
 DEFAULT_SIMILARITY = {

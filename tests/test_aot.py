@@ -11,6 +11,11 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+
+import vtc
+from tests.conftest import batch_inputs, model_and_processor, single_inputs
+from vtc.tokens import Context, VideoTokens
+from vtc.vision import VisionStat
 from vtc_plugins.aot import (
     AOT,
     AOTParams,
@@ -29,11 +34,6 @@ from vtc_plugins.aot import (
     visual_token_num_for,
     window_bounds,
 )
-
-import vtc
-from tests.conftest import batch_inputs, model_and_processor, single_inputs
-from vtc.tokens import Context, VideoTokens
-from vtc.vision import VisionStat
 
 SHALLOW, DEEP = VisionStat("received", 5), VisionStat("received", -2)
 

@@ -247,3 +247,15 @@ def test_third_party_plugin_from_entry_point(tmp_path, monkeypatch):
     finally:
         monkeypatch.setenv("VTC_DISABLE_PLUGIN_AUTOLOAD", "1")
         registry.cache_clear()
+
+
+def test_suspended_runs_the_model_unpatched():
+    model, _ = model_and_processor("qwen2_vl")
+    inputs = single_inputs("qwen2_vl")
+    ref = logits(model, inputs)
+    with vtc.patch(model, "random+fastv", retention=0.25) as handle:
+        with handle.suspended():
+            assert torch.equal(logits(model, inputs), ref)
+        assert logits(model, inputs).shape[1] < ref.shape[1]
+    with handle.suspended():  # an unpatched handle: nothing to suspend
+        assert torch.equal(logits(model, inputs), ref)

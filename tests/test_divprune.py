@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+import vtc
+from tests.conftest import model_and_processor, single_inputs
+from vtc.tokens import Context, VideoTokens
 from vtc_plugins.divprune import (
     DivPrune,
     DivPruneParams,
@@ -14,10 +18,6 @@ from vtc_plugins.divprune import (
     kept_count,
     max_min_select,
 )
-
-import vtc
-from tests.conftest import model_and_processor, single_inputs
-from vtc.tokens import Context, VideoTokens
 
 
 def official_reference(x: torch.Tensor, ratio: float) -> list[int]:

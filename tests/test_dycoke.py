@@ -12,6 +12,12 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+
+import vtc
+from tests.conftest import FAMILIES, batch_inputs, model_and_processor, single_inputs
+from tests.reference import CAPTURED, ManualLLM, compressible_video_mask, start
+from vtc.llm.runtime import TokenLayout
+from vtc.tokens import Context, VideoTokens
 from vtc_plugins.dycoke import (
     DyCoke,
     DyCokeParams,
@@ -21,12 +27,6 @@ from vtc_plugins.dycoke import (
     ttm_keep,
     ttm_select,
 )
-
-import vtc
-from tests.conftest import FAMILIES, batch_inputs, model_and_processor, single_inputs
-from tests.reference import CAPTURED, ManualLLM, compressible_video_mask, start
-from vtc.llm.runtime import TokenLayout
-from vtc.tokens import Context, VideoTokens
 
 
 def rotated(angles) -> torch.Tensor:

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vtc_plugins.fastv import FastVParams, fastv_keep, kept_count
 
 import vtc
 from tests.conftest import FAMILIES, model_and_processor, single_inputs
 from tests.reference import CAPTURED, compressible_video_mask, last_rows_attention, start
+from vtc_plugins.fastv import FastVParams, fastv_keep, kept_count
 
 
 def test_keeps_the_top_attended_visual_tokens():

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vtc_plugins.framefusion import DEFAULT_SIMILARITY, FrameFusionParams, merge_plan, pruning_ratio
 
 import vtc
 from tests.conftest import model_and_processor, single_inputs
 from tests.reference import CAPTURED, last_rows_attention, start
+from vtc_plugins.framefusion import DEFAULT_SIMILARITY, FrameFusionParams, merge_plan, pruning_ratio
 
 
 def test_cost_schedule_worked_example():

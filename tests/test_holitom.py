@@ -10,6 +10,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+
+import vtc
+from tests.conftest import FAMILIES, model_and_processor, single_inputs
+from tests.reference import CAPTURED, ManualLLM, compressible_video_mask, last_rows_attention, start
 from vtc_plugins.holitom import (
     HoliTom,
     HoliTomParams,
@@ -25,10 +29,6 @@ from vtc_plugins.holitom import (
     segment_windows,
     static_window_counts,
 )
-
-import vtc
-from tests.conftest import FAMILIES, model_and_processor, single_inputs
-from tests.reference import CAPTURED, ManualLLM, compressible_video_mask, last_rows_attention, start
 
 # --- loop re-derivations of the official functions ---------------------------------------------------------------
 

@@ -40,7 +40,14 @@ TINY_PARAMS = {
 REALLOCATING = {"quota", "quota-clip"}
 # token order inside the LLM: strictly increasing original positions, except where the official output order is
 # not temporal (None: any order) or resized tokens can share an anchor position ("non-decreasing")
-ORDER = {"dycoke": None, "aot": None, "holitom": None, "quota": "non-decreasing", "quota-clip": "non-decreasing"}
+ORDER = {
+    "dycoke": None,
+    "aot": None,
+    "holitom": None,
+    "visionzip": None,
+    "quota": "non-decreasing",
+    "quota-clip": "non-decreasing",
+}
 
 
 def patch(model, method, retention, **params):

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from vtc_kernels import (
     adjacent_frame_similarity,
     chain_anchors,

@@ -8,6 +8,10 @@ import math
 
 import pytest
 import torch
+
+import vtc
+from tests.conftest import batch_inputs, model_and_processor, single_inputs
+from vtc.tokens import Context, VideoTokens
 from vtc_plugins.vidcom2 import (
     ALPHAS,
     VidCom2,
@@ -18,10 +22,6 @@ from vtc_plugins.vidcom2 import (
     low_variance_channels,
     vidcom2_plan,
 )
-
-import vtc
-from tests.conftest import batch_inputs, model_and_processor, single_inputs
-from vtc.tokens import Context, VideoTokens
 
 
 def make_tokens(embeds: torch.Tensor, frame: torch.Tensor, grid) -> VideoTokens:

@@ -7,7 +7,8 @@ token counts with no compression logic at all. Reported as ratios measured in th
 
   speedup    = prefill without compression / (prefill + connect stage) of the method
   efficiency = limit / (prefill + connect stage)      (1.0 = the method costs nothing beyond its tokens)
-  overhead   = method's own time / prefill without compression
+  overhead   = method's own time (connect stage + its hooks inside the LLM) / prefill without compression
+  sample s   = time of the sample stage before the processor (QuoTA's frame scoring), not in TTFT
 
 The limit uses the method's per-layer token counts (in-LLM methods keep more tokens in early layers); the
 "final-count limit" runs every layer at the last layer's count, i.e. what pruning the same number of tokens
@@ -37,13 +38,45 @@ from vtc.timing import LLMTimer, peak_memory_mb, plain_prefill_seconds, synchron
 BENCH_QUESTION = "What happens in this video?"
 
 
+def params_for(spec: str, params: dict[str, Any]) -> dict[str, Any]:
+    """The subset of `params` that belongs to the methods of `spec` (`name=value` when one of them declares
+    `name`, `method.name=value` for methods in the spec), so one parameter list can serve every row."""
+    import dataclasses
+
+    from vtc.pipeline import parse_spec
+
+    names = parse_spec(spec)
+    fields = {n: {f.name for f in dataclasses.fields(vtc.registry()[n].params)} for n in names}
+    chosen = {}
+    for key, value in params.items():
+        method, _, field = key.rpartition(".")
+        if (method and method in fields) or (not method and any(field in f for f in fields.values())):
+            chosen[key] = value
+    return chosen
+
+
 def _measure(
-    model, inputs, spec: str | None, retention: float | None, params: dict[str, Any], memory: bool
+    model,
+    processor,
+    inputs,
+    video,
+    frames: int,
+    spec: str | None,
+    retention: float | None,
+    params: dict[str, Any],
+    memory: bool,
 ) -> dict[str, Any]:
     """One timed `generate(max_new_tokens=1)` (prefill = the LLM's first forward inside it); with `memory`,
-    also one untimed pass measuring the peak memory of the same call."""
-    handle = vtc.patch(model, spec, retention=retention, **params) if spec else None
+    also one untimed pass measuring the peak memory of the same call. Methods with a sample stage get their
+    inputs from `handle.prepare` (timed separately as the sample stage)."""
+    handle = vtc.patch(model, spec, retention=retention, **params_for(spec, params)) if spec else None
+    sample_s = 0.0
     try:
+        if handle is not None and handle.pipeline.has_stage("sample"):
+            start = time.perf_counter()
+            inputs = handle.prepare(processor, video, BENCH_QUESTION, num_frames=frames)
+            inputs = inputs.to(next(model.parameters()).device)
+            sample_s = time.perf_counter() - start
         with LLMTimer(model) as timer, torch.no_grad():
             synchronize()
             start = time.perf_counter()
@@ -58,7 +91,7 @@ def _measure(
     finally:
         if handle:
             handle.unpatch()
-    row = {"prefill_s": timer.first, "ttft_s": ttft}
+    row = {"prefill_s": timer.first, "ttft_s": ttft, "sample_s": sample_s}
     if peak is not None:
         row["peak_mb"] = peak
     if stats is not None:
@@ -76,7 +109,7 @@ def _measure(
 
 def _best(rows: list[dict[str, Any]]) -> dict[str, Any]:
     best = dict(rows[0])
-    for key in ("prefill_s", "ttft_s", "connect_s", "overhead_s", "limit_s", "limit_final_s"):
+    for key in ("prefill_s", "ttft_s", "sample_s", "connect_s", "overhead_s", "limit_s", "limit_final_s"):
         values = [r[key] for r in rows if key in r]
         if values:
             best[key] = min(values)
@@ -133,7 +166,7 @@ def bench(
         for rep in range(repeats):
             for label, spec, retention in configs:
                 progress.update(task, description=f"{label} @ {retention if retention else 1.0}")
-                row = _measure(net, inputs, spec, retention, params, memory=rep == 0)
+                row = _measure(net, processor, inputs, video, frames, spec, retention, params, memory=rep == 0)
                 row.setdefault("tokens_in", visual)
                 row.setdefault("tokens_llm", visual)
                 row.setdefault("tokens_out", visual)
@@ -233,6 +266,7 @@ def print_table(report: dict[str, Any], console: Console) -> None:
             f"{r['ttft_speedup']:.2f}x",
             f"{r['efficiency']:.2f}",
             f"{r['overhead_share']:.1%}",
+            f"{r.get('sample_s', 0.0):.2f}",
         )
     console.print(table)
 
