@@ -45,6 +45,7 @@ ORDER = {
     "aot": None,
     "holitom": None,
     "visionzip": None,
+    "prunevid": None,
     "quota": "non-decreasing",
     "quota-clip": "non-decreasing",
 }

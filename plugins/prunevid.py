@@ -1,0 +1,655 @@
+"""PruneVid: "Visual Token Pruning for Efficient Video Large Language Models" (Huang, Zhou, Han; ACL 2025).
+arXiv: https://arxiv.org/abs/2412.16117. Official code: Visual-AI/PruneVid (PLLaVA only;
+`models/pllava/modeling_pllava.py`, `models/pllava/elastic_cache.py::VTPWindowCache`, `models/pllava/llama.py`).
+
+Idea: (1) cut the video into temporal windows (DPC-kNN over frame descriptors, made contiguous), and in each
+window average the tokens that do not change over time ("static") into one token per position and cluster
+them, and cluster each frame's remaining ("dynamic") tokens; (2) inside the LLM, after layer `selected_layer`,
+keep per window the fraction alpha of static tokens and, per frame, of dynamic tokens that receive the most
+attention from the text after the video, pruning the hidden states and the KV cache of layers 0..selected_layer.
+
+Stages: connect (stage 1) and prefill (stage 2). Stage 1 records per token, in `tokens.tags`, the window, the
+static/dynamic flag and the frame of dynamic tokens; stage 2 reads them back as `state.layout.tags`.
+
+Faithful to the official code: DPC-kNN as in `cluster_dpc_knn` (distances / sqrt(C), k = 7, density noise
+U(0, 1e-6), centres by score, nearest-centre assignment read from the centres' rows), `refine_clusters`
+(longest run per cluster, other runs and singleton clusters relabelled to the longer neighbouring run, ties to
+the left), the static test (mean off-diagonal pairwise cosine > tau), the "> 14 tokens" clustering rule with
+`int(count * cluster_ratio)` clusters whose means are the new tokens (cluster index order), the sequence
+`[static ; dynamic frame 1 ; ... ; frame W]` per window; stage 2 scores tokens with the map the official LLaMA
+returns at `selected_layer` (softmax of q k^T *before RoPE*, no causal mask), max over heads and over the text
+after the video, keeps `int(size * alpha)` per static group and per frame, and keeps positions. See
+docs/methods/prunevid.md for every place vtc differs (port to five families, small-video guards, retention
+mapping, fixed-count mode).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from vtc.hookspecs import hookimpl
+from vtc.registry import MethodInfo
+from vtc_kernels import dpc_knn_centers, reconcile_count, topk_indices
+
+Tensor = torch.Tensor
+
+DEFAULT_ALPHA = 0.4  # alphas=(0.4) in scripts/eval.sh
+README_RETAINED = 0.162  # README: PLLaVA keeps 16.2 % of the visual tokens at the defaults
+STAGE1_NOMINAL = README_RETAINED / DEFAULT_ALPHA  # ~ fraction left by stage 1 in that setting (0.405)
+MIN_CLUSTER_TOKENS = 14  # merge_frames_dynamic clusters a group only when it has more than 14 tokens
+
+TAG_WINDOW = "prunevid_window"  # window index within the video
+TAG_STATIC = "prunevid_static"  # 1 static (window mean), 0 dynamic
+TAG_FRAME = "prunevid_frame"  # frame of a dynamic token (-1 for static tokens)
+TAG_BUDGET = "prunevid_budget"  # tokens stage 2 aims to keep for this video (only with a retention / fixed count)
+
+
+@dataclasses.dataclass
+class PruneVidParams:
+    selected_layer: int = 10  # selected_layer: attention of this LLM layer ranks tokens; prune after it
+    alpha: float | None = None  # alpha: kept fraction per static group / frame; None = 0.4, or from retention
+    tau: float = 0.8  # tau: static if the mean pairwise cosine over the window exceeds it
+    temporal_segment_ratio: float = 0.25  # temporal_segment_ratio: int(T * ratio) DPC-kNN frame clusters
+    cluster_ratio: float = 0.5  # cluster_ratio: a group of > 14 tokens becomes int(count * ratio) cluster means
+    k: int = 7  # k: nearest neighbours of the DPC-kNN density (k=7 in merge_frames_dynamic)
+    fixed_count: bool = False  # vtc: keep exactly retained_count() tokens (reconciled by attention score)
+    causal_scores: bool = False  # vtc option: rank with the layer's real attention (RoPE, causal) instead of the
+    # official position-free, non-causal map (see text_attention_scores)
+
+    def __post_init__(self):
+        if int(self.selected_layer) < 0:
+            raise ValueError(f"prunevid: selected_layer must be >= 0, got {self.selected_layer}")
+        if self.alpha is not None and not 0.0 < float(self.alpha) <= 1.0:
+            raise ValueError(f"prunevid: alpha must be in (0, 1], got {self.alpha}")
+        if not 0.0 < float(self.temporal_segment_ratio) <= 1.0:
+            raise ValueError(f"prunevid: temporal_segment_ratio must be in (0, 1], got {self.temporal_segment_ratio}")
+        if not 0.0 < float(self.cluster_ratio) <= 1.0:
+            raise ValueError(f"prunevid: cluster_ratio must be in (0, 1], got {self.cluster_ratio}")
+        if int(self.k) < 1:
+            raise ValueError(f"prunevid: k must be >= 1, got {self.k}")
+
+
+# --- stage 1: temporal windows ---------------------------------------------------------------------------------
+
+
+def dpc_knn_cluster(
+    x: Tensor, num_clusters: int, k: int, generator: torch.Generator | None = None
+) -> tuple[Tensor, Tensor]:
+    """PruneVid's `cluster_dpc_knn` on the rows of x [n, C] -> (labels [n], centres [m]).
+
+    Scores come from `vtc_kernels.dpc_knn_scores` (TCFormer's density peaks, identical arithmetic, noise from
+    `generator`); centres are the top-`num_clusters` scores (cluster id = rank). Each row joins the centre whose
+    *row* of the distance matrix is nearest (`dist[centres].argmin(0)`, as the official `index_points`
+    gather does; `cdist` is not exactly symmetric), and centres own their cluster.
+    """
+    centres, dist = dpc_knn_centers(x, max(0, int(num_clusters)), k, generator)
+    labels = dist[centres].argmin(dim=0)
+    labels[centres] = torch.arange(centres.numel(), device=labels.device)
+    return labels, centres
+
+
+def cluster_means(x: Tensor, labels: Tensor, num_clusters: int) -> Tensor:
+    """Mean of the rows of x [n, C] per cluster (`compute_cluster_vectors`: one-hot matmul in x's dtype, then a
+    division by the member count; an empty cluster gives zeros)."""
+    onehot = F.one_hot(labels, num_classes=num_clusters).to(x.dtype)  # [n, m]
+    sums = onehot.transpose(0, 1) @ x
+    counts = onehot.sum(dim=0)
+    means = sums / counts.clamp(min=1).unsqueeze(-1)
+    return means.masked_fill((counts == 0).unsqueeze(-1), 0)
+
+
+def _runs(labels: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Maximal runs of equal values: (start, end exclusive, value)."""
+    out = []
+    start = 0
+    for i in range(1, len(labels) + 1):
+        if i == len(labels) or labels[i] != labels[start]:
+            out.append((start, i, labels[start]))
+            start = i
+    return out
+
+
+def refine_clusters(labels: Sequence[int] | Tensor) -> list[int]:
+    """Make temporal clusters contiguous (`refine_clusters`, one video).
+
+    Every cluster keeps only its longest run(s) of consecutive frames; its other runs, and every run of a
+    cluster whose longest run is a single frame, become unassigned. Then, left to right, each unassigned
+    stretch joins the neighbour (left or right) whose adjacent run is longer, the left one on ties, cluster 0
+    when it has no neighbour. Runs are measured on the labels as reassigned so far.
+    """
+    labels = [int(v) for v in (labels.tolist() if isinstance(labels, Tensor) else labels)]
+    n = len(labels)
+    out = list(labels)
+    longest: dict[int, int] = {}
+    for start, end, value in _runs(labels):
+        longest[value] = max(longest.get(value, 0), end - start)
+    for start, end, value in _runs(labels):
+        if longest[value] == 1 or end - start < longest[value]:
+            out[start:end] = [-1] * (end - start)
+    i = 0
+    while i < n:
+        if out[i] != -1:
+            i += 1
+            continue
+        j = i
+        while j < n and out[j] == -1:
+            j += 1
+        left = right = None
+        left_len = right_len = 0
+        if i > 0:
+            left = out[i - 1]
+            a = i - 1
+            while a >= 0 and out[a] == left:
+                a -= 1
+            left_len = i - 1 - a
+        if j < n:
+            right = out[j]
+            b = j
+            while b < n and out[b] == right:
+                b += 1
+            right_len = b - j
+        if right_len > left_len:
+            new = right
+        elif left is not None:
+            new = left
+        else:
+            new = right if right is not None else 0
+        out[i:j] = [new] * (j - i)
+        i = j
+    return out
+
+
+def segment_lengths(labels: Sequence[int]) -> list[int]:
+    """Lengths of the runs of equal labels, in temporal order (the window sizes)."""
+    return [end - start for start, end, _ in _runs(list(labels))]
+
+
+def temporal_windows(
+    descriptors: Tensor, segment_ratio: float, k: int, generator: torch.Generator | None = None
+) -> list[int]:
+    """Window sizes for frame descriptors [T, C]: DPC-kNN into int(T * ratio) clusters (at least 1), made
+    contiguous by `refine_clusters`."""
+    t = descriptors.shape[0]
+    labels, _ = dpc_knn_cluster(descriptors, max(1, int(t * segment_ratio)), k, generator)
+    return segment_lengths(refine_clusters(labels))
+
+
+def static_scores(frames: Tensor) -> Tensor:
+    """Mean off-diagonal pairwise cosine similarity over the W frames of a window, per position.
+
+    frames [W, L, C] -> [L]: (sum_{w,t} cos(f_w,l, f_t,l) - W) / (W (W - 1)), computed as the official code
+    does (normalise, all pairs, sum over t, minus 1, sum over w). W = 1 gives NaN (0 / 0), i.e. not static.
+    """
+    w = frames.shape[0]
+    normed = F.normalize(frames, p=2, dim=-1)
+    sim = torch.einsum("wlc,tlc->wtl", normed, normed)
+    total = (sim.sum(dim=1) - 1).sum(dim=0)
+    if w == 1:
+        return torch.full_like(total, float("nan"))
+    return total / (w * (w - 1))
+
+
+# --- stage 1: the merge plan -----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Stage1Plan:
+    """Output tokens of stage 1 for one video, in the order the LLM sees them.
+
+    anchors [M]: input token whose position / grid coordinates the output token takes; values [M, C]: the
+    output features (computed as the official code does); (dst, src, src_weight, keep_weight): the same means as
+    a weighted merge (for side features); window / static / frame [M]: the tags stage 2 needs; window_sizes,
+    static_sizes, dynamic_sizes: per window (frames, static tokens, dynamic tokens), as the official code
+    records them.
+    """
+
+    anchors: Tensor
+    values: Tensor
+    dst: Tensor
+    src: Tensor
+    src_weight: Tensor
+    keep_weight: Tensor
+    window: Tensor
+    static: Tensor
+    frame: Tensor
+    window_sizes: list[int]
+    static_sizes: list[int]
+    dynamic_sizes: list[int]
+
+    @property
+    def count(self) -> int:
+        return int(self.anchors.numel())
+
+
+class _PlanBuilder:
+    def __init__(self) -> None:
+        self.anchors: list[int] = []
+        self.values: list[Tensor] = []
+        self.members: list[tuple[Tensor, float]] = []  # members of each output token and their weight
+        self.window: list[int] = []
+        self.static: list[int] = []
+        self.frame: list[int] = []
+
+    def add(self, anchor: int, value: Tensor, members: Tensor, weight: float, window: int, static: bool, frame: int):
+        self.anchors.append(int(anchor))
+        self.values.append(value)
+        self.members.append((members, weight))
+        self.window.append(window)
+        self.static.append(int(static))
+        self.frame.append(frame)
+
+    def build(self, embeds: Tensor, sizes: tuple[list[int], list[int], list[int]]) -> Stage1Plan:
+        device = embeds.device
+        as_long = dict(dtype=torch.long, device=device)
+        anchors = torch.tensor(self.anchors, **as_long)
+        weights = torch.tensor([w for _, w in self.members], dtype=torch.float32, device=device)
+        if self.members:
+            members = torch.cat([m for m, _ in self.members])
+            owner = torch.repeat_interleave(
+                torch.arange(len(self.members), device=device),
+                torch.tensor([m.numel() for m, _ in self.members], **as_long),
+            )
+        else:
+            members = owner = torch.zeros(0, **as_long)
+        other = members != anchors[owner]  # every anchor is one of its own members
+        return Stage1Plan(
+            anchors=anchors,
+            values=torch.stack(self.values) if self.values else embeds[:0],
+            dst=owner[other],
+            src=members[other],
+            src_weight=weights[owner[other]],
+            keep_weight=weights,
+            window=torch.tensor(self.window, **as_long),
+            static=torch.tensor(self.static, **as_long),
+            frame=torch.tensor(self.frame, **as_long),
+            window_sizes=sizes[0],
+            static_sizes=sizes[1],
+            dynamic_sizes=sizes[2],
+        )
+
+
+def _common_positions(patch_lists: list[Tensor]) -> list[Tensor]:
+    """For frames whose tokens sit at patches `patch_lists[w]` (sorted), the indices (into each frame's list)
+    of the patches present in every frame: all of them on a full grid."""
+    first = patch_lists[0]
+    if all(p.numel() == first.numel() and torch.equal(p, first) for p in patch_lists[1:]):
+        return [torch.arange(first.numel(), device=first.device) for _ in patch_lists]
+    common = set(first.tolist())
+    for p in patch_lists[1:]:
+        common &= set(p.tolist())
+    keep = torch.tensor(sorted(common), dtype=torch.long, device=first.device)
+    return [torch.nonzero(torch.isin(p, keep)).flatten() for p in patch_lists]
+
+
+def _cluster_group(
+    builder: _PlanBuilder,
+    features: Tensor,
+    members: Tensor,
+    anchors: Tensor,
+    cluster_ratio: float,
+    k: int,
+    generator: torch.Generator | None,
+    cluster: bool,
+    window: int,
+    static: bool,
+    frame: int,
+) -> int:
+    """Add one group's output tokens: `features` [P, C] (one per position), `members` [R, P] the input tokens
+    each position stands for (R frames for static positions, 1 for dynamic tokens), `anchors` [P]. A group of
+    more than 14 positions becomes int(P * cluster_ratio) DPC-kNN cluster means (cluster index order)."""
+    p = features.shape[0]
+    rows = members.shape[0]
+    if cluster and p > MIN_CLUSTER_TOKENS:
+        m = max(1, int(p * cluster_ratio))
+        labels, centres = dpc_knn_cluster(features, m, k, generator)
+        means = cluster_means(features, labels, m)
+        for c in range(m):
+            inside = labels == c
+            count = int(inside.sum())
+            builder.add(
+                anchors[centres[c]],
+                means[c],
+                members[:, inside].flatten(),
+                1.0 / (rows * count),
+                window,
+                static,
+                frame,
+            )
+        return m
+    for i in range(p):
+        builder.add(anchors[i], features[i], members[:, i], 1.0 / rows, window, static, frame)
+    return p
+
+
+def prunevid_stage1(
+    embeds: Tensor,
+    frame: Tensor,
+    patch: Tensor,
+    tau: float = 0.8,
+    temporal_segment_ratio: float = 0.25,
+    cluster_ratio: float = 0.5,
+    k: int = 7,
+    generator: torch.Generator | None = None,
+    merge_static: bool = True,
+    cluster: bool = True,
+) -> Stage1Plan:
+    """PruneVid's `merge_frames_dynamic` on one video's tokens (embeds [N, C], frame / patch [N]).
+
+    Frames are the distinct values of `frame` (in order), each frame's tokens taken in patch order. Windows come
+    from `temporal_windows` on the per-frame token means. In a window of W frames, the positions present in
+    every frame whose `static_scores` exceed tau are static: their mean over the window is one token each
+    (clustered when more than 14); each frame's other tokens are its dynamic tokens (clustered when more than
+    14). `merge_static=False` / `cluster=False` switch those steps off (vtc's relaxation, see PruneVid).
+    """
+    frames = torch.unique(frame)
+    per_frame = []
+    for f in frames.tolist():
+        idx = torch.nonzero(frame == f).flatten()
+        per_frame.append(idx[torch.argsort(patch[idx], stable=True)])
+    descriptors = torch.stack([embeds[idx].mean(dim=0) for idx in per_frame])
+    sizes = temporal_windows(descriptors, temporal_segment_ratio, k, generator)
+
+    builder = _PlanBuilder()
+    static_sizes, dynamic_sizes = [], []
+    start = 0
+    for w_id, size in enumerate(sizes):
+        window_idx = per_frame[start : start + size]
+        common = _common_positions([patch[idx] for idx in window_idx])
+        aligned = torch.stack([idx[c] for idx, c in zip(window_idx, common)])  # [W, P] token indices
+        if merge_static and aligned.shape[1] > 0:
+            is_static = static_scores(embeds[aligned]) > tau
+        else:
+            is_static = torch.zeros(aligned.shape[1], dtype=torch.bool, device=embeds.device)
+        static_idx = aligned[:, is_static]  # [W, S]
+        static_feat = embeds[static_idx].mean(dim=0)  # [S, C]: the mean over the window
+        static_sizes.append(
+            _cluster_group(
+                builder,
+                static_feat,
+                static_idx,
+                static_idx[0],
+                cluster_ratio,
+                k,
+                generator,
+                cluster,
+                w_id,
+                True,
+                -1,
+            )
+        )
+        dynamic = 0
+        for idx in window_idx:
+            dyn = idx[~torch.isin(idx, static_idx.flatten())]  # the frame's other tokens, in patch order
+            dynamic += _cluster_group(
+                builder,
+                embeds[dyn],
+                dyn[None],
+                dyn,
+                cluster_ratio,
+                k,
+                generator,
+                cluster,
+                w_id,
+                False,
+                int(frame[idx[0]]),
+            )
+        dynamic_sizes.append(dynamic)
+        start += size
+    return builder.build(embeds, (sizes, static_sizes, dynamic_sizes))
+
+
+# --- stage 2 ---------------------------------------------------------------------------------------------------
+
+
+def text_rows(visual: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
+    """Query rows of the text after the video: per batch row, the slots after its last visual token up to its
+    last real token -> (rows [B, R], rows_valid [B, R]); short rows repeat their last slot (marked invalid)."""
+    bsz, n = valid.shape
+    slot = torch.arange(n, device=valid.device)[None].expand(bsz, -1)
+    last = torch.where(valid, slot, -1).max(dim=1).values
+    first = torch.where(visual & valid, slot, -1).max(dim=1).values + 1
+    counts = (last - first + 1).clamp(min=0)
+    width = max(1, int(counts.max()))
+    offsets = torch.arange(width, device=valid.device)[None]
+    rows = torch.minimum(first[:, None] + offsets, last[:, None]).clamp(min=0)
+    return rows, offsets < counts[:, None]
+
+
+def text_attention_scores(query: Tensor, key: Tensor, rows: Tensor, rows_valid: Tensor, key_valid: Tensor) -> Tensor:
+    """PruneVid's token scores from the attention map its LLaMA returns at `selected_layer` during prefill.
+
+    query [B, H, R, d] (the text rows), key [B, Hkv, n, d]: projections *before* RoPE (the official eager
+    attention returns `softmax(q k^T / sqrt(d))` computed before the rotary embedding and without the causal
+    mask); softmax over every real key (`key_valid` [B, n]: padding excluded) in float32, cast back to the model
+    dtype; then the max over heads and over the valid query rows -> [B, n].
+    """
+    heads, dim = query.shape[1], query.shape[-1]
+    if key.shape[1] != heads:
+        key = key.repeat_interleave(heads // key.shape[1], dim=1)
+    logits = (query @ key.transpose(-1, -2)) / math.sqrt(dim)
+    logits = logits.masked_fill(~key_valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32).to(query.dtype)
+    probs = probs * rows_valid[:, None, :, None].to(probs.dtype)
+    return probs.amax(dim=1).amax(dim=1)
+
+
+def group_quota(size: int, alpha: float | None, budget: int | None, total: int) -> int:
+    """Tokens a static group / frame keeps: int(size * alpha) (official), or, when alpha is None, size * budget
+    // total: alpha = budget / total in exact rational arithmetic."""
+    if alpha is not None:
+        return int(size * alpha)
+    return size if budget >= total else size * budget // total
+
+
+def stage2_keep(
+    scores: Tensor,
+    slots: Tensor,
+    window: Tensor,
+    static: Tensor,
+    frame: Tensor,
+    alpha: float | None,
+    budget: int | None = None,
+    fixed: bool = False,
+) -> Tensor:
+    """Which of one video's visual `slots` survive stage 2 (`VTPWindowCache.process_attention`).
+
+    scores [n] (max over heads and text queries); window / static / frame [n] the stage-1 tags. Per window: the
+    top int(static_size * alpha) static tokens and, per frame, the top int(count * alpha) dynamic tokens.
+    `budget`: the video's target count; with alpha None, alpha = budget / (video's tokens). `fixed`: reconcile
+    to exactly min(budget, tokens) by score. Returns a bool mask over `slots`.
+    """
+    keep = torch.zeros(slots.numel(), dtype=torch.bool, device=slots.device)
+    total = slots.numel()
+    s_scores = scores[slots]
+    win, stat, frm = window[slots], static[slots], frame[slots]
+    for w in torch.unique(win).tolist():
+        in_window = win == w
+        groups = [in_window & (stat == 1)]
+        dyn = in_window & (stat == 0)
+        groups += [dyn & (frm == f) for f in torch.unique(frm[dyn]).tolist()]
+        for group in groups:
+            members = torch.nonzero(group).flatten()
+            if members.numel() == 0:
+                continue
+            quota = group_quota(members.numel(), alpha, budget, total)
+            keep[members[topk_indices(s_scores[members], quota)]] = True
+    if fixed and budget is not None:
+        keep = reconcile_count(keep, s_scores, min(budget, total))
+    return keep
+
+
+# --- the plugin ------------------------------------------------------------------------------------------------
+
+
+class PruneVid:
+    def __init__(self, params: PruneVidParams, retention: float | None = None) -> None:
+        self.params = params
+        self.identity = params.alpha is None and retention is not None and retention >= 1.0
+        if params.alpha is not None:
+            self.alpha: float | None = float(params.alpha)
+            self.target = self.alpha * STAGE1_NOMINAL  # only used by fixed_count
+        elif retention is not None:
+            self.alpha = None  # derived per video from the budget round(retention * N)
+            self.target = float(retention)
+        else:
+            self.alpha = DEFAULT_ALPHA
+            self.target = README_RETAINED  # only used by fixed_count
+        self.last_kept: list[int] = []  # visual tokens per batch row at the last LLM layer (last prefill)
+        self.last_plans: list[Stage1Plan] = []  # stage-1 plans of the last prefill's videos (inspectable)
+        self._pending: list[Stage1Plan] = []  # plans of the connect calls of the forward in progress
+        self.entry_layout = None  # the LLM input layout (slots, tags) of the last prefill
+        self._scores: Tensor | None = None
+
+    def _uses_budget(self) -> bool:
+        return self.alpha is None or bool(self.params.fixed_count)
+
+    def _budget(self, num_tokens: int) -> int:
+        return min(num_tokens, max(1, round(self.target * num_tokens)))
+
+    def retained_count(self, num_tokens: int, grid) -> int | None:
+        if self.identity:
+            return num_tokens
+        if self.params.fixed_count:
+            return self._budget(num_tokens)
+        return None  # windows, static masks and per-group floors depend on the content
+
+    # stage 1
+    @hookimpl
+    def vtc_connect(self, tokens, ctx):
+        n = len(tokens)
+        if self.identity or n == 0:
+            return tokens
+        p = self.params
+        budget = self._budget(n) if self._uses_budget() else None
+        generator = ctx.generator
+        state = generator.get_state() if generator is not None else None
+        # the official stage 1, relaxed only when it leaves fewer tokens than the budget stage 2 must keep
+        for merge_static, cluster in ((True, True), (True, False), (False, False)):
+            if state is not None:
+                generator.set_state(state)
+            plan = prunevid_stage1(
+                tokens.embeds,
+                tokens.frame,
+                tokens.patch,
+                float(p.tau),
+                float(p.temporal_segment_ratio),
+                float(p.cluster_ratio),
+                int(p.k),
+                generator,
+                merge_static=merge_static,
+                cluster=cluster,
+            )
+            if budget is None or plan.count >= budget:
+                break
+        self._pending.append(plan)
+        out = tokens.merge(plan.anchors, plan.dst, plan.src, plan.src_weight, plan.keep_weight, embeds=plan.values)
+        out.tags[TAG_WINDOW] = plan.window
+        out.tags[TAG_STATIC] = plan.static
+        out.tags[TAG_FRAME] = plan.frame
+        if budget is not None:
+            out.tags[TAG_BUDGET] = torch.full_like(plan.window, budget)
+        return out
+
+    # stage 2
+    @hookimpl
+    def vtc_prefill(self, state, ctx):
+        if self.identity or state.point != "layer_start":
+            return
+        layer = int(self.params.selected_layer)
+        layout = state.layout
+        if state.layer == 0:
+            self.entry_layout = layout
+            self.last_plans, self._pending = self._pending, []
+            self.last_kept = (layout.visual & layout.valid).sum(dim=1).tolist()
+            if state.num_layers <= layer + 1:
+                raise ValueError(
+                    f"prunevid: selected_layer={layer} needs a language model with more than {layer + 1} layers "
+                    f"(the prune happens before layer selected_layer + 1); this one has {state.num_layers}"
+                )
+        if TAG_WINDOW not in layout.tags:
+            return
+        if state.layer == layer:
+            if self.params.causal_scores:
+                state.request_attention("after_visual", upcast=True)
+            else:
+                self._scores = self._position_free_scores(state, ctx, layer)
+        elif state.layer == layer + 1:
+            if self.params.causal_scores:
+                scores = state.attention(layer).amax(dim=1).amax(dim=1)  # max over heads, then text queries
+            else:
+                scores, self._scores = self._scores, None
+            keep = self._keep_mask(scores, layout)
+            self.last_kept = (keep & layout.visual).sum(dim=1).tolist()
+            state.keep(keep, prune_cache=True)
+
+    @staticmethod
+    def _position_free_scores(state, ctx, layer: int) -> Tensor:
+        """Recompute layer `layer`'s query / key projections (input norm, q/k projections, Qwen3's q/k norms)
+        from the stream entering it, as its attention does, but stop before the rotary embedding."""
+        from vtc.adapters import resolve_adapter
+
+        module = resolve_adapter(ctx.model).decoder_layers[layer]
+        attn = module.self_attn
+        layout = state.layout
+        rows, rows_valid = text_rows(layout.visual, layout.valid)
+        with torch.no_grad():
+            normed = module.input_layernorm(state.hidden)
+            picked = torch.gather(normed, 1, rows.to(normed.device)[..., None].expand(-1, -1, normed.shape[-1]))
+            query = attn.q_proj(picked).view(*picked.shape[:-1], -1, attn.head_dim)
+            key = attn.k_proj(normed).view(*normed.shape[:-1], -1, attn.head_dim)
+            if getattr(attn, "q_norm", None) is not None:
+                query, key = attn.q_norm(query), attn.k_norm(key)
+            return text_attention_scores(
+                query.transpose(1, 2),
+                key.transpose(1, 2),
+                rows,
+                rows_valid.to(normed.device),
+                layout.valid.to(normed.device),
+            )
+
+    def _keep_mask(self, scores: Tensor, layout) -> Tensor:
+        tags = layout.tags
+        keep = layout.valid.clone()
+        for b in range(keep.shape[0]):
+            visual = layout.visual[b] & layout.valid[b]
+            for v in torch.unique(layout.video[b][visual]).tolist():
+                slots = torch.nonzero(visual & (layout.video[b] == v)).flatten()
+                if bool((tags[TAG_WINDOW][b, slots] < 0).any()):
+                    continue  # a video stage 1 did not tag: left alone
+                budget = int(tags[TAG_BUDGET][b, slots[0]]) if TAG_BUDGET in tags else None
+                keep[b, slots] = stage2_keep(
+                    scores[b],
+                    slots,
+                    tags[TAG_WINDOW][b],
+                    tags[TAG_STATIC][b],
+                    tags[TAG_FRAME][b],
+                    self.alpha,
+                    budget,
+                    fixed=bool(self.params.fixed_count),
+                )
+        return keep
+
+
+@hookimpl
+def vtc_register_methods(registry):
+    registry.add(
+        MethodInfo(
+            name="prunevid",
+            factory=PruneVid,
+            params=PruneVidParams,
+            stages=("connect", "prefill"),
+            paper="PruneVid: Visual Token Pruning for Efficient Video Large Language Models (ACL 2025)",
+            url="https://arxiv.org/abs/2412.16117",
+            summary="merge static tokens per temporal window and cluster the rest, then prune by text attention "
+            "at layer 10 (hidden states and KV cache)",
+            fixed_count=True,
+            owns=frozenset({"llm_token_schedule"}),
+            position_policy="compact",
+            query_aware=True,
+        )
+    )
