@@ -87,8 +87,10 @@ def test_bench_writes_table_json_and_plot(tmp_path, capsys):
         )
         == 0
     )
-    assert "efficiency" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "speedup" in out and "effic." in out and "overhead" in out
     report = json.loads((tmp_path / "bench.json").read_text())
+    assert (tmp_path / "bench.md").read_text().count("\n| fastv | 0.50 |") == 1
     assert (tmp_path / "bench.png").stat().st_size > 0
     rows = {(r["method"], r["retention"]): r for r in report["results"]}
     assert set(rows) == {("none", 1.0), ("random", 0.5), ("fastv", 0.5)}

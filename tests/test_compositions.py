@@ -1,0 +1,101 @@
+"""Methods composed across stages (`"framefusion+quota"`, `"uniform+visionzip+fastv"`, ...) on every family:
+the retention is split between the reducing methods, each acts on what the previous one left, and the
+composition keeps the matrix's guarantees (identity at retention 1.0, planned counts, padded batch = single
+prompts, generate, clean unpatch)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import vtc
+from tests.conftest import NUM_FRAMES, QUESTIONS, batch_inputs, model_and_processor, single_inputs, videos
+from tests.test_invariants import REALLOCATING, TINY_PARAMS, greedy, hook_counts, logits
+
+COMPOSITIONS = [
+    "framefusion+quota",  # sample + connect (QuoTA) then prefill (FrameFusion)
+    "uniform+visionzip+fastv",  # sample, connect, prefill
+    "vidcom2+prunevid",  # connect, then PruneVid's static/dynamic merge (connect) and layer prune (prefill)
+    "aot+framefusion",
+    "fastvid+dycoke",  # two connect methods, then DyCoke's decode-time KV pruning
+    "divprune+fastv",
+]
+RETENTION = 0.25
+
+
+def compose(model, spec: str, retention: float):
+    params = {f"{m}.{k}": v for m in spec.split("+") for k, v in TINY_PARAMS.get(m, {}).items()}
+    return vtc.patch(model, spec, retention=retention, **params)
+
+
+def prepared(handle, family: str, which: int | None):
+    if not any("sample" in e.info.stages for e in handle.pipeline.entries):
+        return batch_inputs(family) if which is None else single_inputs(family, which)
+    _, processor = model_and_processor(family)
+    if which is None:
+        return handle.prepare(processor, list(videos()), list(QUESTIONS), num_frames=NUM_FRAMES, fps=8)
+    return handle.prepare(processor, videos()[which], QUESTIONS[which], num_frames=NUM_FRAMES, fps=8)
+
+
+@pytest.mark.parametrize("spec", COMPOSITIONS)
+def test_composition(spec, family):
+    model, processor = model_and_processor(family)
+    names = spec.split("+")
+    single = single_inputs(family)
+    ref = logits(model, single)
+    hooks_before = hook_counts(model)
+
+    if not REALLOCATING & set(names):
+        with compose(model, spec, 1.0) as handle:
+            assert torch.equal(logits(model, single), ref)
+            assert handle.stats().visual_tokens_out == handle.stats().visual_tokens_in
+
+    with compose(model, spec, RETENTION) as handle:
+        shares = [e.retention for e in handle.pipeline.entries if e.info.reduces_tokens]
+        assert shares == pytest.approx([RETENTION ** (1 / len(shares))] * len(shares))
+        batch = prepared(handle, family, None)
+        out = logits(model, batch)[:, -1]
+        stats = handle.stats()
+        assert 0 < stats.visual_tokens_out < stats.visual_tokens_in
+        batch_kept = stats.visual_tokens_out
+        kept = 0
+        for which in (0, 1):
+            single_out = logits(model, prepared(handle, family, which))[0, -1]
+            stats = handle.stats()
+            kept += stats.visual_tokens_out
+            torch.testing.assert_close(out[which], single_out, atol=2e-5, rtol=1e-4)
+            # the connect plugins ran in pipeline order, each on what the one before it left
+            connect = [r for r in stats.stages if r.stage == "connect"]
+            assert [r.plugin for r in connect] == [e.info.name for e in handle.pipeline.stage_entries("connect")]
+            assert connect[0].tokens_in == stats.visual_tokens_in
+            assert all(a.tokens_out == b.tokens_in for a, b in zip(connect, connect[1:]))
+            assert connect[-1].tokens_out == stats.llm_tokens_in
+        assert batch_kept == kept
+        new = greedy(model, prepared(handle, family, None), tokens=3)
+        assert new.shape == (2, 3)
+        assert all(isinstance(t, str) for t in processor.batch_decode(new, skip_special_tokens=True))
+
+    assert torch.equal(logits(model, single), ref)
+    assert hook_counts(model) == hooks_before
+
+
+@pytest.mark.parametrize("spec", ["uniform+visionzip+vidcom2", "vidcom2+divprune"])
+def test_fixed_count_composition_keeps_the_product(spec, family):
+    """Two fixed-count methods in a row keep exactly what their chained `retained_count` promises."""
+    model, _ = model_and_processor(family)
+    params = {f"{m}.fixed_count": True for m in spec.split("+") if m == "vidcom2"}
+    with vtc.patch(model, spec, retention=RETENTION, **params) as handle:
+        logits(model, prepared(handle, family, None))
+        stats = handle.stats()
+        planned = [handle.retained_count(grid) for grid in stats.grids]
+        assert None not in planned
+        assert stats.visual_tokens_out == sum(planned)
+
+
+def test_order_errors_are_clear():
+    model, _ = model_and_processor("qwen2_vl")
+    with vtc.patch(model, "random+holitom", retention=RETENTION, **{"holitom.k": 2}):
+        with pytest.raises(ValueError, match="holitom: needs whole frames"):
+            logits(model, single_inputs("qwen2_vl"))
+    with pytest.raises(ValueError, match="both decide llm token schedule"):
+        vtc.patch(model, "fastv+framefusion", retention=RETENTION)
