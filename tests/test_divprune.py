@@ -9,6 +9,7 @@ import torch
 
 import vtc
 from tests.conftest import model_and_processor, single_inputs
+from tests.probes import llm_inputs
 from vtc.tokens import Context, VideoTokens
 from vtc_plugins.divprune import (
     DivPrune,
@@ -133,33 +134,11 @@ def test_plugin_identity_count_and_dtype():
     assert torch.equal(up.positions, divprune_keep(half.embeds.float(), 10))
 
 
-def _llm_inputs(model, inputs, method=None, **kwargs):
-    """inputs_embeds and position_ids the language model receives (with `method` patched in, if given)."""
-    seen = {}
-
-    def grab(module, args, kw):
-        seen.setdefault("embeds", kw["inputs_embeds"])
-        seen.setdefault("positions", kw.get("position_ids"))
-
-    text = vtc.api.resolve_adapter(model).text_model
-    handle = vtc.patch(model, method, **kwargs) if method else None
-    probe = text.register_forward_pre_hook(grab, with_kwargs=True)
-    try:
-        with torch.no_grad():
-            model(**inputs)
-        stats = handle.stats() if handle else None
-    finally:
-        probe.remove()
-        if handle:
-            handle.unpatch()
-    return seen["embeds"][0], seen["positions"], stats
-
-
 @pytest.mark.parametrize("family", ["llava_onevision", "qwen2_5_vl"])
 def test_patched_model_sees_the_chosen_tokens(family):
     model, _ = model_and_processor(family)
     inputs = single_inputs(family)
-    full, full_positions, _ = _llm_inputs(model, inputs)
+    full, full_positions, _ = llm_inputs(model, inputs)
     adapter = vtc.api.resolve_adapter(model)
     video = inputs["input_ids"][0] == adapter.video_token_id
     slots = torch.nonzero(video).flatten()
@@ -170,7 +149,8 @@ def test_patched_model_sees_the_chosen_tokens(family):
         video[slots] = True
     keep_visual = divprune_keep(full[slots], kept_count(slots.numel(), 0.25))
     keep = torch.sort(torch.cat([torch.nonzero(~video).flatten(), slots[keep_visual]])).values
-    out, positions, stats = _llm_inputs(model, inputs, "divprune", retention=0.25)
+    out, positions, handle = llm_inputs(model, inputs, "divprune", retention=0.25)
+    stats = handle.stats()
     assert stats.visual_tokens_out == keep_visual.numel() == round(0.25 * slots.numel())
     assert torch.equal(out, full[keep])
     if adapter.mrope:  # Qwen: original (t, h, w) positions of the survivors

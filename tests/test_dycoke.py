@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 import vtc
 from tests.conftest import FAMILIES, batch_inputs, model_and_processor, single_inputs
+from tests.probes import llm_inputs
 from tests.reference import CAPTURED, ManualLLM, compressible_video_mask, start
 from vtc.llm.runtime import TokenLayout
 from vtc.tokens import Context, VideoTokens
@@ -261,36 +262,15 @@ def test_connect_hook_identity_selection_and_last_kept():
 # --- the patched model ----------------------------------------------------------------------------------------------
 
 
-def _llm_inputs(model, inputs, method=None, **kwargs):
-    """inputs_embeds and position_ids the language model receives (with `method` patched in, if given)."""
-    seen = {}
-
-    def grab(module, args, kw):
-        seen.setdefault("embeds", kw["inputs_embeds"])
-        seen.setdefault("positions", kw.get("position_ids"))
-
-    text = vtc.api.resolve_adapter(model).text_model
-    handle = vtc.patch(model, method, **kwargs) if method else None
-    probe = text.register_forward_pre_hook(grab, with_kwargs=True)
-    try:
-        with torch.no_grad():
-            model(**inputs)
-        stats = handle.stats() if handle else None
-    finally:
-        probe.remove()
-        if handle:
-            handle.unpatch()
-    return seen["embeds"][0], seen["positions"], stats
-
-
 @pytest.mark.parametrize("family", ["qwen2_vl", "llava_onevision"])
 def test_patched_model_sees_the_ttm_selection(family):
     model, _ = model_and_processor(family)
     inputs = single_inputs(family)
-    full, full_positions, _ = _llm_inputs(model, inputs)
+    full, full_positions, _ = llm_inputs(model, inputs)
     video = compressible_video_mask(model, inputs["input_ids"])
     slots = torch.nonzero(video).flatten()
-    out, positions, stats = _llm_inputs(model, inputs, "dycoke", retention=0.25)
+    out, positions, handle = llm_inputs(model, inputs, "dycoke", retention=0.25)
+    stats = handle.stats()
     (grid,) = stats.grids
     t, h, w = grid
     assert slots.numel() == t * h * w
@@ -423,7 +403,7 @@ def test_llava_onevision_ttm_then_decode_pruning_on_the_renumbered_prompt():
     family = "llava_onevision"
     model, _ = model_and_processor(family)
     inputs = single_inputs(family)
-    full, _, _ = _llm_inputs(model, inputs)
+    full, _, _ = llm_inputs(model, inputs)
     video = compressible_video_mask(model, inputs["input_ids"])
     slots = torch.nonzero(video).flatten()
     t, n = 8, 196

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import vtc
 from tests.conftest import batch_inputs, model_and_processor, single_inputs
-from vtc.hookspecs import hookimpl
+from tests.probes import connect_inputs, llm_inputs
 from vtc.tokens import Context, VideoTokens
 from vtc.vision import VisionStat
 from vtc_plugins.fastvid import (
@@ -458,34 +458,6 @@ def test_salience_maps_per_family():
 # --- the patched models -------------------------------------------------------------------------------------------
 
 
-class Capture:
-    def __init__(self, family):
-        self.stats = FastVID(FastVIDParams(), None).vision_stats(family)
-        self.seen = []
-
-    def vision_stats(self, family):
-        return self.stats
-
-    @hookimpl
-    def vtc_connect(self, tokens, ctx):
-        self.seen.append((tokens, ctx))
-        return tokens
-
-
-def _captured(model, family, inputs):
-    pipeline = vtc.api.Pipeline("random", retention=1.0)
-    spy = Capture(family)
-    pipeline.entries[0].plugin = spy
-    patch = vtc.api.ModelPatch(vtc.api.resolve_adapter(model), pipeline, vtc.api.StatsRecorder())
-    patch.install()
-    try:
-        with torch.no_grad():
-            model(**inputs)
-    finally:
-        patch.remove()
-    return spy.seen[0]
-
-
 @pytest.mark.parametrize("family", ["llava_onevision", "qwen2_5_vl"])
 def test_patched_model_sees_the_plan_on_the_models_statistics(family):
     """The LLM receives exactly the plan the pure function makes from the model's own statistics (the tiny
@@ -493,7 +465,7 @@ def test_patched_model_sees_the_plan_on_the_models_statistics(family):
     generator vtc hands the plugin), in the original order and, on LLaVA, at the original positions."""
     model, _ = model_and_processor(family)
     inputs = single_inputs(family)
-    tokens, ctx = _captured(model, family, inputs)
+    tokens, ctx = connect_inputs(model, inputs, FastVID(FastVIDParams(), None), family)
     t, h, w = tokens.grid
     salience = salience_map(ctx.vision, family, (h, w))[tokens.frame, tokens.patch]
     idx = list(torch.arange(t * h * w).view(t, -1))
@@ -505,8 +477,9 @@ def test_patched_model_sees_the_plan_on_the_models_statistics(family):
         plan = fastvid_llava(tokens.embeds, idx, salience, glob, 0.3, **kw)
     assert any(length > 1 for length in plan.segments) and plan.merges
     expected = assemble(tokens, plan, salience, None, h * w)
-    full_embeds, full_positions, _ = _llm_inputs(model, inputs)
-    out, positions, plugin = _llm_inputs(model, inputs, retention=0.3, dyseg_c=2, dyseg_tau=-1.0)
+    full_embeds, full_positions, _ = llm_inputs(model, inputs)
+    out, positions, handle = llm_inputs(model, inputs, "fastvid", retention=0.3, dyseg_c=2, dyseg_tau=-1.0)
+    plugin = handle.pipeline.entries[0].plugin
     assert sum(plugin.last_kept) == len(expected) == plan.kept and plugin.last_plans[0].segments == plan.segments
     video_mask = inputs["input_ids"][0] == vtc.api.resolve_adapter(model).video_token_id
     slots = torch.nonzero(video_mask).flatten()[: t * h * w]
@@ -524,27 +497,6 @@ def test_patched_model_sees_the_plan_on_the_models_statistics(family):
         positions[..., 0, :] if positions.dim() == 3 else positions[0],
         full_positions[..., 0, order] if full_positions.dim() == 3 else full_positions[0, order],
     )
-
-
-def _llm_inputs(model, inputs, **kwargs):
-    """(inputs_embeds, position_ids) the language model receives, and the plugin when patched with fastvid."""
-    seen = {}
-
-    def grab(module, args, kw):
-        seen.setdefault("embeds", kw["inputs_embeds"])
-        seen.setdefault("positions", kw.get("position_ids"))
-
-    text = vtc.api.resolve_adapter(model).text_model
-    handle = vtc.patch(model, "fastvid", **kwargs) if kwargs else None
-    probe = text.register_forward_pre_hook(grab, with_kwargs=True)
-    try:
-        with torch.no_grad():
-            model(**inputs)
-    finally:
-        probe.remove()
-        if handle is not None:
-            handle.unpatch()
-    return seen["embeds"][0], seen["positions"], handle.pipeline.entries[0].plugin if handle else None
 
 
 def test_last_kept_reports_every_video_of_the_last_forward():

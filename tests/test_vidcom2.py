@@ -11,6 +11,7 @@ import torch
 
 import vtc
 from tests.conftest import batch_inputs, model_and_processor, single_inputs
+from tests.probes import llm_inputs
 from vtc.tokens import Context, VideoTokens
 from vtc_plugins.vidcom2 import (
     ALPHAS,
@@ -232,38 +233,17 @@ def test_plugin_identity_budgets_and_dtype():
     assert up.last_plan.scores.dtype == torch.float32
 
 
-def _llm_inputs(model, inputs, method=None, **kwargs):
-    """inputs_embeds and position_ids the language model receives (with `method` patched in, if given)."""
-    seen = {}
-
-    def grab(module, args, kw):
-        seen.setdefault("embeds", kw["inputs_embeds"])
-        seen.setdefault("positions", kw.get("position_ids"))
-
-    text = vtc.api.resolve_adapter(model).text_model
-    handle = vtc.patch(model, method, **kwargs) if method else None
-    probe = text.register_forward_pre_hook(grab, with_kwargs=True)
-    try:
-        with torch.no_grad():
-            model(**inputs)
-        stats = handle.stats() if handle else None
-    finally:
-        probe.remove()
-        if handle:
-            handle.unpatch()
-    return seen["embeds"][0], seen["positions"], stats
-
-
 def test_patched_llava_next_video_sees_the_chosen_tokens_renumbered():
     model, _ = model_and_processor("llava_next_video")
     inputs = single_inputs("llava_next_video")
-    full, _, _ = _llm_inputs(model, inputs)
+    full, _, _ = llm_inputs(model, inputs)
     video = inputs["input_ids"][0] == vtc.api.resolve_adapter(model).video_token_id
     slots = torch.nonzero(video).flatten()
     assert slots.numel() == 8 * 12 * 12
     plan = vidcom2_plan(full[slots], torch.arange(slots.numel()) // 144, ratio=0.25)
     keep = torch.sort(torch.cat([torch.nonzero(~video).flatten(), slots[plan.keep]])).values
-    out, positions, stats = _llm_inputs(model, inputs, "vidcom2", retention=0.25)
+    out, positions, handle = llm_inputs(model, inputs, "vidcom2", retention=0.25)
+    stats = handle.stats()
     assert stats.visual_tokens_out == plan.keep.numel() == sum(plan.budgets)
     assert abs(stats.visual_tokens_out - 0.25 * 1152) <= 4
     assert torch.equal(out, full[keep])

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import vtc
 from tests.conftest import model_and_processor, single_inputs
-from vtc.hookspecs import hookimpl
+from tests.probes import connect_inputs, llm_inputs
 from vtc.tokens import Context, VideoTokens
 from vtc.vision import VisionStat
 from vtc_plugins.visionzip import (
@@ -246,61 +246,11 @@ def test_connect_on_frames_an_earlier_plugin_thinned():
 # --- the patched models -------------------------------------------------------------------------------------------
 
 
-class Capture:
-    """A connect plugin that records the tokens and context VisionZip would get, and keeps everything."""
-
-    def __init__(self, family):
-        self.stats = VisionZip(VisionZipParams(), None).vision_stats(family)
-        self.needs_prepool = True
-        self.seen = []
-
-    def vision_stats(self, family):
-        return self.stats
-
-    @hookimpl
-    def vtc_connect(self, tokens, ctx):
-        self.seen.append((tokens, ctx))
-        return tokens
-
-
-def _captured(model, family, inputs):
-    pipeline = vtc.api.Pipeline("random", retention=1.0)
-    spy = Capture(family)
-    pipeline.entries[0].plugin = spy
-    patch = vtc.api.ModelPatch(vtc.api.resolve_adapter(model), pipeline, vtc.api.StatsRecorder())
-    patch.install()
-    try:
-        with torch.no_grad():
-            model(**inputs)
-    finally:
-        patch.remove()
-    return spy.seen[0]
-
-
-def _llm_inputs(model, inputs, **kwargs):
-    seen = {}
-
-    def grab(module, args, kw):
-        seen.setdefault("embeds", kw["inputs_embeds"])
-        seen.setdefault("positions", kw.get("position_ids"))
-
-    text = vtc.api.resolve_adapter(model).text_model
-    with vtc.patch(model, "visionzip", **kwargs) as handle:
-        probe = text.register_forward_pre_hook(grab, with_kwargs=True)
-        try:
-            with torch.no_grad():
-                model(**inputs)
-        finally:
-            probe.remove()
-        stats = handle.stats()
-    return seen["embeds"][0], seen["positions"], stats
-
-
 def test_patched_llava_onevision_matches_the_port_on_the_models_statistics():
     family = "llava_onevision"
     model, _ = model_and_processor(family)
     inputs = single_inputs(family)
-    tokens, ctx = _captured(model, family, inputs)
+    tokens, ctx = connect_inputs(model, inputs, VisionZip(VisionZipParams(), None), family)
     t, h, w = tokens.grid
     attention, metric = token_grid_maps(ctx.vision, family, (h, w))
     dominant, contextual = split_counts(frame_tokens(h * w, 0.25))
@@ -310,7 +260,8 @@ def test_patched_llava_onevision_matches_the_port_on_the_models_statistics():
             for f in range(t)
         ]
     )
-    out, positions, stats = _llm_inputs(model, inputs, retention=0.25)
+    out, positions, handle = llm_inputs(model, inputs, "visionzip", retention=0.25)
+    stats = handle.stats()
     video = inputs["input_ids"][0] == vtc.api.resolve_adapter(model).video_token_id
     start = int(torch.nonzero(video)[0])
     assert stats.visual_tokens_out == t * 49 == len(expected)
@@ -322,7 +273,7 @@ def test_patched_llava_next_video_merges_clip_features_before_the_projector():
     family = "llava_next_video"
     model, _ = model_and_processor(family)
     inputs = single_inputs(family)
-    tokens, ctx = _captured(model, family, inputs)
+    tokens, ctx = connect_inputs(model, inputs, VisionZip(VisionZipParams(), None), family)
     t, h, w = tokens.grid
     attention, metric = token_grid_maps(ctx.vision, family, (h, w))
     pooled = F.avg_pool2d(ctx.prepool.permute(0, 3, 1, 2), 2).permute(0, 2, 3, 1).reshape(t, h * w, -1)
@@ -336,13 +287,14 @@ def test_patched_llava_next_video_merges_clip_features_before_the_projector():
         # the dominant tokens are the model's own tokens
         torch.testing.assert_close(expected[-1][:dominant], tokens.embeds[f * h * w + torch.tensor(dom)])
     expected = torch.cat(expected)
-    out, positions, stats = _llm_inputs(model, inputs, retention=0.2)
+    out, positions, handle = llm_inputs(model, inputs, "visionzip", retention=0.2)
+    stats = handle.stats()
     video = inputs["input_ids"][0] == vtc.api.resolve_adapter(model).video_token_id
     start = int(torch.nonzero(video)[0])
     assert stats.visual_tokens_out == t * math.ceil(0.2 * 144) == len(expected)
     torch.testing.assert_close(out[start : start + len(expected)], expected, atol=1e-5, rtol=1e-5)
     # merging after the projector instead gives other features (the projector is not linear)
-    post, _, _ = _llm_inputs(model, inputs, retention=0.2, merge_before_projector=False)
+    post, _, _ = llm_inputs(model, inputs, "visionzip", retention=0.2, merge_before_projector=False)
     assert not torch.allclose(post, out)
 
 
@@ -350,7 +302,8 @@ def test_patched_qwen2_5_vl_keeps_positions_and_order():
     family = "qwen2_5_vl"
     model, _ = model_and_processor(family)
     inputs = single_inputs(family)
-    out, positions, stats = _llm_inputs(model, inputs, retention=0.25)
+    out, positions, handle = llm_inputs(model, inputs, "visionzip", retention=0.25)
+    stats = handle.stats()
     assert stats.grids == [(4, 12, 12)] and stats.visual_tokens_out == 4 * 36
     t_pos = positions[0, 0]
     assert bool((t_pos[1:] >= t_pos[:-1]).all())  # temporal positions never go back

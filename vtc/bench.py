@@ -289,16 +289,19 @@ def plot(report: dict[str, Any], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     by_method: dict[str, list[dict[str, Any]]] = {}
     for r in report["results"]:
         if r["method"] != "none":
             by_method.setdefault(r["method"], []).append(r)
-    for method, rows in by_method.items():
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    colors = plt.get_cmap("tab20").colors
+    markers = "os^vDP*Xh<>"
+    for i, (method, rows) in enumerate(by_method.items()):
         rows = sorted(rows, key=lambda r: r["retention"])
         x = [r["retention"] for r in rows]
-        axes[0].plot(x, [r["speedup"] for r in rows], marker="o", label=method)
-        axes[1].plot(x, [r["efficiency"] for r in rows], marker="o", label=method)
+        style = dict(marker=markers[i % len(markers)], color=colors[(2 * i) % 20 + (2 * i) // 20], label=method)
+        axes[0].plot(x, [r["speedup"] for r in rows], **style)
+        axes[1].plot(x, [r["efficiency"] for r in rows], **style)
     axes[0].set(xlabel="retention", ylabel="prefill speedup (x)", title="speedup vs no compression")
     axes[1].set(xlabel="retention", ylabel="limit time / method time", title="efficiency (1 = no overhead)")
     axes[1].axhline(0.95, color="grey", linestyle="--", linewidth=0.8)
@@ -306,7 +309,8 @@ def plot(report: dict[str, Any], path: str) -> None:
     axes[1].set_ylim(min(0.8, min(efficiencies) - 0.05), max(1.1, max(efficiencies) + 0.05))
     for ax in axes:
         ax.grid(alpha=0.3)
-        ax.legend()
+    # one legend outside the plots, so no curve hides behind it
+    axes[1].legend(loc="center left", bbox_to_anchor=(1.02, 0.5), fontsize="small")
     fig.suptitle(report["model"])
     fig.tight_layout()
     fig.savefig(path, dpi=120)

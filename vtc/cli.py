@@ -150,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=int, default=2, help="measurements per configuration (best is kept)")
     bench.add_argument("--param", action="append", metavar="NAME=VALUE")
     bench.add_argument("--dtype", default="float32")
-    bench.add_argument("--out", default="vtc-bench-results", help="directory for bench.json and bench.png")
+    bench.add_argument("--out", default="vtc-bench-results", help="directory for bench.json, bench.md and bench.png")
     return parser
 
 

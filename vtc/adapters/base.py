@@ -220,3 +220,21 @@ class Adapter:
 
     def has_video(self, captured: CapturedInputs) -> bool:
         return captured.input_ids is not None and bool((captured.input_ids == self.video_token_id).any())
+
+
+class LlavaAdapter(Adapter):
+    """What the two LLaVA families share: a SigLIP/CLIP tower at `outer.vision_tower` that sees every frame as one
+    batch item, and `config.vision_feature_layer` naming the layer whose features the projector receives."""
+
+    @property
+    def vision_tower(self) -> torch.nn.Module:
+        return self.outer.vision_tower
+
+    def vision_attention_modules(self) -> list[torch.nn.Module]:
+        return [layer.self_attn for layer in encoder_layers(self.vision_tower)]
+
+    def vision_feature_layer(self) -> int:
+        return tower_feature_layer(self.model.config.vision_feature_layer, len(self.vision_attention_modules()))
+
+    def vision_stats_per_video(self, calls, spans, layer_of) -> list[dict]:
+        return llava_vision_stats(self, calls, spans, layer_of)

@@ -6,34 +6,18 @@ from __future__ import annotations
 import torch
 
 from vtc.adapters.base import (
-    Adapter,
     CapturedInputs,
+    LlavaAdapter,
     VideoSpan,
     contiguous_spans,
-    encoder_layers,
     frames_per_video,
-    llava_vision_stats,
-    tower_feature_layer,
 )
 from vtc.prepool import PrepoolCapture
 
 
-class LlavaNextVideoAdapter(Adapter):
+class LlavaNextVideoAdapter(LlavaAdapter):
     family = "llava_next_video"
     class_names = ("LlavaNextVideoForConditionalGeneration",)
-
-    @property
-    def vision_tower(self) -> torch.nn.Module:
-        return self.outer.vision_tower
-
-    def vision_attention_modules(self) -> list[torch.nn.Module]:
-        return [layer.self_attn for layer in encoder_layers(self.vision_tower)]
-
-    def vision_feature_layer(self) -> int:
-        return tower_feature_layer(self.model.config.vision_feature_layer, len(self.vision_attention_modules()))
-
-    def vision_stats_per_video(self, calls, spans, layer_of) -> list[dict]:
-        return llava_vision_stats(self, calls, spans, layer_of)
 
     def prepool_capture(self) -> PrepoolCapture:
         """CLIP features entering the 2x2 pooler (CLS already removed); `pool` = pooler then projector."""

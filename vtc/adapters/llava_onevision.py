@@ -10,34 +10,18 @@ import math
 import torch
 
 from vtc.adapters.base import (
-    Adapter,
     CapturedInputs,
+    LlavaAdapter,
     VideoSpan,
     contiguous_spans,
-    encoder_layers,
     frames_per_video,
-    llava_vision_stats,
-    tower_feature_layer,
 )
 from vtc.prepool import PrepoolCapture
 
 
-class LlavaOnevisionAdapter(Adapter):
+class LlavaOnevisionAdapter(LlavaAdapter):
     family = "llava_onevision"
     class_names = ("LlavaOnevisionForConditionalGeneration",)
-
-    @property
-    def vision_tower(self) -> torch.nn.Module:
-        return self.outer.vision_tower
-
-    def vision_attention_modules(self) -> list[torch.nn.Module]:
-        return [layer.self_attn for layer in encoder_layers(self.vision_tower)]
-
-    def vision_feature_layer(self) -> int:
-        return tower_feature_layer(self.model.config.vision_feature_layer, len(self.vision_attention_modules()))
-
-    def vision_stats_per_video(self, calls, spans, layer_of) -> list[dict]:
-        return llava_vision_stats(self, calls, spans, layer_of)
 
     def prepool_capture(self) -> PrepoolCapture:
         """Projected SigLIP features before `apply_pooling` (bilinear to ceil(side / 2))."""

@@ -6,29 +6,16 @@ from __future__ import annotations
 
 import torch
 
-from vtc.adapters.base import Adapter, CapturedInputs, VideoSpan, runs
-from vtc.adapters.qwen2_vl import qwen_grids, qwen_vision_stats, video_runs, video_token_counts
+from vtc.adapters.base import CapturedInputs, VideoSpan, runs
+from vtc.adapters.qwen2_vl import Qwen2VLAdapter, qwen_grids, video_runs, video_token_counts
 
 
-class Qwen3VLAdapter(Adapter):
+class Qwen3VLAdapter(Qwen2VLAdapter):
+    """Same vision tower layout as Qwen2-VL (`visual.blocks`, 2x2 merger); different token layout."""
+
     family = "qwen3_vl"
     class_names = ("Qwen3VLForConditionalGeneration",)
-    mrope = True
     deepstack = True
-    attention_rows = 4
-
-    @property
-    def vision_tower(self) -> torch.nn.Module:
-        return self.outer.visual
-
-    def vision_attention_modules(self) -> list[torch.nn.Module]:
-        return [block.attn for block in self.outer.visual.blocks]
-
-    def vision_feature_layer(self) -> int:
-        return len(self.outer.visual.blocks) - 1
-
-    def vision_stats_per_video(self, calls, spans, layer_of) -> list[dict]:
-        return qwen_vision_stats(self, calls, spans, layer_of)
 
     def _segments_per_video(self, captured: CapturedInputs) -> list[list[tuple[int, int, int]]] | None:
         """Group the per-frame segments into videos using each video's token count (generate path)."""
