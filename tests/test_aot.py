@@ -286,7 +286,10 @@ def test_anchor_selection_per_window_on_a_synthetic_map():
     deep[0, 0] = 8.0
     deep[0, 26 * 27 + 26] = 7.0
     deep[0, 5] = 1.0
-    mask = select_anchors(shallow + torch.rand(1, 729) * 1e-3, deep, 27, 27, per_window=2, num_global=2)
+    # distinct small noise elsewhere, none on the cells the deep map should reach, so no window picks them locally
+    noise = torch.rand(1, 729, generator=torch.Generator().manual_seed(0)) * 1e-3 + 1e-4
+    noise[0, [0, 5, 26 * 27 + 26]] = 0.0
+    mask = select_anchors(shallow + noise, deep, 27, 27, per_window=2, num_global=2)
     picked = set(torch.nonzero(mask[0]).flatten().tolist())
     assert {10 * 27 + 20, 16 * 27 + 25} <= picked and 12 * 27 + 19 not in picked
     assert {0, 26 * 27 + 26} <= picked and 5 not in picked

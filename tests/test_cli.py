@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import vtc
 from vtc.cli import main, parse_params
 
 
@@ -16,6 +17,8 @@ def test_methods_table_and_json(capsys):
     rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
     assert rows["random"]["stages"] == ["connect"] and rows["random"]["fixed_count"] is True
     assert rows["framefusion"]["stages"] == ["prefill"]
+    assert set(rows) == {info.name for info in vtc.methods()}
+    assert rows["prunevid"]["fixed_count"] is True and rows["prunevid"]["stages"] == ["connect", "prefill"]
 
 
 def test_param_parsing():

@@ -63,7 +63,8 @@ def cmd_methods(args, console: Console) -> int:
         table.add_column(col)
     for i in infos:
         families = "all 5" if len(i.families) == 5 else ", ".join(i.families)
-        serving = "yes" if i.fixed_count and "prefill" not in i.stages else "no"
+        # a prefill stage acts inside the LLM: its exact count is the last layer's, not what enters the LLM
+        serving = ("last-layer count" if "prefill" in i.stages else "yes") if i.fixed_count else "no"
         table.add_row(i.name, "+".join(i.stages), i.paper, families, serving, i.summary)
     console.print(table)
     return 0
