@@ -256,20 +256,17 @@ class _PlanBuilder:
         return sort_plan(plan)
 
 
+def _outputs(plan: OuterPlan, index: Tensor) -> dict[str, Tensor]:
+    """The per-output fields of `plan` at `index` (an order or a mask); the merge edges are the caller's."""
+    return {name: getattr(plan, name)[index] for name in ("anchors", "embeds", "keep_weight", "score", "key")}
+
+
 def sort_plan(plan: OuterPlan) -> OuterPlan:
     """Put the outputs in `key` order (already the case unless outputs were added or dropped)."""
     order = torch.sort(plan.key, stable=True).indices
     rank = torch.empty_like(order)
     rank[order] = torch.arange(order.numel(), device=order.device)
-    return dataclasses.replace(
-        plan,
-        anchors=plan.anchors[order],
-        embeds=plan.embeds[order],
-        keep_weight=plan.keep_weight[order],
-        score=plan.score[order],
-        key=plan.key[order],
-        dst=rank[plan.dst] if plan.dst.numel() else plan.dst,
-    )
+    return dataclasses.replace(plan, **_outputs(plan, order), dst=rank[plan.dst] if plan.dst.numel() else plan.dst)
 
 
 def _dynamic_frame(
@@ -394,11 +391,7 @@ def reconcile_plan(plan: OuterPlan, target: int, x: Tensor, attn: Tensor, window
         edge = keep[plan.dst] if plan.dst.numel() else plan.dst.bool()
         return dataclasses.replace(
             plan,
-            anchors=plan.anchors[keep],
-            embeds=plan.embeds[keep],
-            keep_weight=plan.keep_weight[keep],
-            score=plan.score[keep],
-            key=plan.key[keep],
+            **_outputs(plan, keep),
             dst=new_index[plan.dst[edge]],
             src=plan.src[edge],
             src_weight=plan.src_weight[edge],

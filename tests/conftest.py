@@ -66,6 +66,23 @@ def family(request):
     return request.param
 
 
+def grid_tokens(embeds: torch.Tensor, grid: tuple[int, int, int], mrope: bool = False) -> vtc.VideoTokens:
+    """One video's tokens on a full (T, H, W) grid in raster order, as the adapters hand them to connect plugins
+    (positions: the flat index, or (t, h, w) rows with `mrope`)."""
+    t, h, w = grid
+    flat = torch.arange(t * h * w)
+    frame, row, col = flat // (h * w), (flat // w) % h, flat % w
+    return vtc.VideoTokens(
+        embeds=embeds,
+        positions=torch.stack([frame, row, col]) if mrope else flat.clone(),
+        frame=frame,
+        row=row,
+        col=col,
+        weight=torch.ones(t * h * w),
+        grid=grid,
+    )
+
+
 def reducing_methods() -> list[str]:
     """Every installed method that changes visual tokens (the invariant matrix runs on all of them)."""
     return [info.name for info in vtc.methods() if info.reduces_tokens]

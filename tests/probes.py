@@ -32,12 +32,12 @@ def llm_inputs(model, inputs, method: str | None = None, **kwargs):
 
 
 class ConnectSpy:
-    """A connect plugin that asks for the vision statistics `wants` asks for, records the tokens and context it
-    gets, and keeps everything."""
+    """A connect plugin that asks for the vision statistics `stats` (and the pre-pool features with
+    `needs_prepool`), records the tokens and context it is given, and keeps everything."""
 
-    def __init__(self, wants, family: str):
-        self.stats = wants.vision_stats(family)
-        self.needs_prepool = getattr(wants, "needs_prepool", False)
+    def __init__(self, stats=(), needs_prepool: bool = False):
+        self.stats = list(stats)
+        self.needs_prepool = needs_prepool
         self.seen = []
 
     def vision_stats(self, family):
@@ -49,13 +49,20 @@ class ConnectSpy:
         return tokens
 
 
-def connect_inputs(model, inputs, wants, family: str):
-    """(VideoTokens, Context) a connect plugin like `wants` receives for the first video of `inputs`."""
+def install_spy(model, spy: ConnectSpy):
+    """Patch with `random` at retention 1 and swap its plugin object for the spy before the hooks install;
+    returns the installed `ModelPatch` (remove it with `.remove()`)."""
     pipeline = vtc.api.Pipeline("random", retention=1.0)
-    spy = ConnectSpy(wants, family)
     pipeline.entries[0].plugin = spy
     patch = vtc.api.ModelPatch(vtc.api.resolve_adapter(model), pipeline, vtc.api.StatsRecorder())
     patch.install()
+    return patch
+
+
+def connect_inputs(model, inputs, stats=(), needs_prepool: bool = False):
+    """(VideoTokens, Context) a connect plugin asking for `stats` receives for the first video of `inputs`."""
+    spy = ConnectSpy(stats, needs_prepool)
+    patch = install_spy(model, spy)
     try:
         with torch.no_grad():
             model(**inputs)

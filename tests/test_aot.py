@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 import vtc
-from tests.conftest import batch_inputs, model_and_processor, single_inputs
-from vtc.tokens import Context, VideoTokens
+from tests.conftest import batch_inputs, grid_tokens, model_and_processor, single_inputs
+from vtc.tokens import Context
 from vtc.vision import VisionStat
 from vtc_plugins.aot import (
     AOT,
@@ -177,20 +177,6 @@ def ref_aot_onevision(grid, shallow, deep, v=126, keep_ratio=0.3, interval=4):
 
 
 # --- helpers --------------------------------------------------------------------------------------------------------
-
-
-def grid_tokens(embeds, grid):
-    t, h, w = grid
-    flat = torch.arange(t * h * w)
-    return VideoTokens(
-        embeds=embeds,
-        positions=flat.clone(),
-        frame=flat // (h * w),
-        row=(flat // w) % h,
-        col=flat % w,
-        weight=torch.ones(t * h * w),
-        grid=grid,
-    )
 
 
 def bilinear_pool(grid):

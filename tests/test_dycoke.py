@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import vtc
-from tests.conftest import FAMILIES, batch_inputs, model_and_processor, single_inputs
+from tests.conftest import FAMILIES, batch_inputs, grid_tokens, model_and_processor, single_inputs
 from tests.probes import llm_inputs
 from tests.reference import CAPTURED, ManualLLM, compressible_video_mask, start
 from vtc.llm.runtime import TokenLayout
@@ -230,18 +230,10 @@ def test_invalid_parameters(kwargs, match):
 
 
 def make_tokens(x: torch.Tensor) -> VideoTokens:
+    """Frames x [T, n, D] with n = side^2 patches as one video's tokens."""
     t, n, d = x.shape
     side = int(math.isqrt(n))
-    patch = torch.arange(n).repeat(t)
-    return VideoTokens(
-        embeds=x.reshape(-1, d),
-        positions=torch.arange(t * n),
-        frame=torch.arange(t).repeat_interleave(n),
-        row=patch // side,
-        col=patch % side,
-        weight=torch.ones(t * n),
-        grid=(t, side, side),
-    )
+    return grid_tokens(x.reshape(-1, d), (t, side, side))
 
 
 def test_connect_hook_identity_selection_and_last_kept():

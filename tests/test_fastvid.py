@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import vtc
-from tests.conftest import batch_inputs, model_and_processor, single_inputs
+from tests.conftest import batch_inputs, grid_tokens, model_and_processor, single_inputs
 from tests.probes import connect_inputs, llm_inputs
 from vtc.tokens import Context, VideoTokens
 from vtc.vision import VisionStat
@@ -31,23 +31,6 @@ from vtc_plugins.fastvid import (
     qwen25_segment_quotas,
     salience_map,
 )
-
-
-def make_tokens(embeds: torch.Tensor, grid, mrope: bool = False) -> VideoTokens:
-    t, h, w = grid
-    n = t * h * w
-    flat = torch.arange(n)
-    positions = torch.stack([flat // (h * w), (flat // w) % h, flat % w]) if mrope else flat
-    return VideoTokens(
-        embeds=embeds,
-        positions=positions,
-        frame=flat // (h * w),
-        row=(flat // w) % h,
-        col=flat % w,
-        weight=torch.ones(n),
-        grid=grid,
-    )
-
 
 # --- loop / official-structure re-derivations ---------------------------------------------------------------------
 
@@ -305,7 +288,7 @@ def test_llava_version_matches_the_official_code(seed, c, tau, p):
     video, attn = smooth_video(frames, h * w, dim, seed)
     glob = video.mean(dim=1)
     ref = official_llava(video, attn, glob, 0.3, c, tau, 0.4, p, 0.6) if c > 1 else None
-    tokens = make_tokens(video.reshape(-1, dim), (frames, h, w))
+    tokens = grid_tokens(video.reshape(-1, dim), (frames, h, w))
     idx = list(torch.arange(frames * h * w).view(frames, -1))
     plan = fastvid_llava(tokens.embeds, idx, attn.flatten(), glob, 0.3, c, tau, 0.4, p, 0.6, 4, torch.Generator())
     out = assemble(tokens, plan, attn.flatten(), None, h * w)
@@ -329,7 +312,7 @@ def test_qwen_version_matches_the_official_code(seed, c, tau, ignore, p):
     video, attn = smooth_video(frames, h * w, dim, seed)
     glob = video.mean(dim=1)
     ref = official_qwen(video, attn, glob, 0.27, c, tau, ignore, 0.4, p, 0.6)
-    tokens = make_tokens(video.reshape(-1, dim), (frames, h, w))
+    tokens = grid_tokens(video.reshape(-1, dim), (frames, h, w))
     idx = list(torch.arange(frames * h * w).view(frames, -1))
     plan = fastvid_qwen25(
         tokens.embeds, idx, attn.flatten(), glob, 0.27, c, tau, ignore, 0.4, p, 0.6, 4, torch.Generator()
@@ -345,7 +328,7 @@ def test_merged_tokens_follow_the_linear_map():
     """The explicit embeds equal the linear map tokens.merge applies to side features (Qwen3-VL DeepStack)."""
     frames, h, w, dim = 6, 4, 4, 5
     video, attn = smooth_video(frames, h * w, dim, 0, scene_every=6)
-    tokens = make_tokens(video.reshape(-1, dim), (frames, h, w))
+    tokens = grid_tokens(video.reshape(-1, dim), (frames, h, w))
     tokens.extras["deepstack"] = tokens.embeds.clone()
     idx = list(torch.arange(frames * h * w).view(frames, -1))
     for fn in (fastvid_llava, fastvid_qwen25):
@@ -405,7 +388,7 @@ def test_counts_adaptive_by_default_fixed_on_request():
 def test_fixed_count_is_exact_and_tops_up_by_salience(family):
     frames, h, w, dim = 8, 6, 6, 8
     video, attn = smooth_video(frames, h * w, dim, 3, scene_every=4)
-    tokens = make_tokens(video.reshape(-1, dim).float(), (frames, h, w), mrope=family.startswith("qwen"))
+    tokens = grid_tokens(video.reshape(-1, dim).float(), (frames, h, w), mrope=family.startswith("qwen"))
     stat = VisionStat("mean_query", -1) if family.startswith("qwen") else VisionStat("received", -1)
     vision = {stat: attn.float() * (h * w if stat.kind == "received" else 1)}
     ctx = Context(family=family, vision=vision, generator=torch.Generator().manual_seed(0))
@@ -435,7 +418,7 @@ def _keys(out: VideoTokens) -> list[int]:
 
 
 def test_full_retention_keeps_the_tokens_object():
-    tokens = make_tokens(torch.randn(32, 4), (2, 4, 4))
+    tokens = grid_tokens(torch.randn(32, 4), (2, 4, 4))
     ctx = Context(family="llava_onevision", vision={VisionStat("received", -1): torch.rand(2, 16)})
     plugin = FastVID(FastVIDParams(), 1.0)
     assert plugin.vtc_connect(tokens=tokens, ctx=ctx) is tokens and plugin.last_kept == [32]
@@ -465,7 +448,7 @@ def test_patched_model_sees_the_plan_on_the_models_statistics(family):
     generator vtc hands the plugin), in the original order and, on LLaVA, at the original positions."""
     model, _ = model_and_processor(family)
     inputs = single_inputs(family)
-    tokens, ctx = connect_inputs(model, inputs, FastVID(FastVIDParams(), None), family)
+    tokens, ctx = connect_inputs(model, inputs, FastVID(FastVIDParams(), None).vision_stats(family))
     t, h, w = tokens.grid
     salience = salience_map(ctx.vision, family, (h, w))[tokens.frame, tokens.patch]
     idx = list(torch.arange(t * h * w).view(t, -1))

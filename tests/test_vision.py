@@ -8,39 +8,9 @@ import torch
 
 import vtc
 from tests.conftest import model_and_processor, single_inputs
+from tests.probes import ConnectSpy, connect_inputs, install_spy
 from vtc.adapters.base import encoder_layers
-from vtc.hookspecs import hookimpl
 from vtc.vision import VisionStat
-
-
-class Spy:
-    """A connect plugin that records what it is given and keeps every token."""
-
-    def __init__(self, stats, prepool=False):
-        self.stats = stats
-        self.needs_prepool = prepool
-        self.seen = []
-
-    def vision_stats(self, family):
-        return self.stats
-
-    @hookimpl
-    def vtc_connect(self, tokens, ctx):
-        self.seen.append((tokens, dict(ctx.vision), ctx.prepool, ctx.pool))
-        return tokens
-
-
-def patched_with(model, spy):
-    """Patch with `random` at retention 1 and swap its plugin object for the spy before hooks install."""
-    from vtc import api
-
-    pipeline = api.Pipeline("random", retention=1.0)
-    pipeline.entries[0].plugin = spy
-    adapter = api.resolve_adapter(model)
-    recorder = api.StatsRecorder()
-    patch = api.ModelPatch(adapter, pipeline, recorder)
-    patch.install()
-    return patch
 
 
 def eager_attentions(model, inputs):
@@ -69,16 +39,10 @@ def test_llava_received_cls_and_keys_match_eager_maps(family):
     inputs = single_inputs(family)
     maps = eager_attentions(model, inputs)
     kinds = ["received", "keys"] + (["cls"] if family == "llava_next_video" else [])
-    spy = Spy([VisionStat(k, -1) for k in kinds] + [VisionStat("received", 0)])
-    patch = patched_with(model, spy)
-    try:
-        with torch.no_grad():
-            model(**inputs)
-    finally:
-        patch.remove()
-    tokens, stats, _, _ = spy.seen[0]
+    tokens, ctx = connect_inputs(model, inputs, [VisionStat(k, -1) for k in kinds] + [VisionStat("received", 0)])
+    stats = ctx.vision
     frames = tokens.grid[0]
-    feature_layer = patch.adapter.vision_feature_layer()
+    feature_layer = vtc.api.resolve_adapter(model).vision_feature_layer()
     last = maps[feature_layer]  # [F, heads, L, L]
     torch.testing.assert_close(stats[VisionStat("received", -1)], last.sum(-2).mean(1), atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(stats[VisionStat("received", 0)], maps[0].sum(-2).mean(1), atol=1e-5, rtol=1e-4)
@@ -115,14 +79,9 @@ def test_qwen_received_matches_manual_attention():
             probs = torch.softmax(qs @ ks.transpose(-1, -2) * attn.scaling, dim=-1)
             received.append(probs.sum(-2).mean(0))
         received = torch.cat(received).reshape(-1, 4).mean(1)  # merge units of 2x2 patches
-    spy = Spy([VisionStat("received", -1)])
-    patch = patched_with(model, spy)
-    try:
-        with torch.no_grad():
-            model(**inputs)
-    finally:
-        patch.remove()
-    tokens, stats, prepool, _ = spy.seen[0]
+    tokens, ctx = connect_inputs(model, inputs, [VisionStat("received", -1)])
+    stats = ctx.vision
+    prepool = ctx.prepool
     t, h, w = tokens.grid
     assert prepool is None
     torch.testing.assert_close(stats[VisionStat("received", -1)], received.reshape(t, h * w), atol=1e-5, rtol=1e-4)
@@ -149,14 +108,8 @@ def test_qwen2_5_window_permutation_is_undone():
     torch.testing.assert_close(restored, torch.cat(features.pooler_output))
     assert not torch.equal(raw["out"], restored)  # the test image really is permuted
 
-    spy = Spy([VisionStat("received", -1), VisionStat("mean_query", -1)])
-    patch = patched_with(model, spy)
-    try:
-        with torch.no_grad():
-            model(**inputs)
-    finally:
-        patch.remove()
-    tokens, stats, _, _ = spy.seen[0]
+    tokens, ctx = connect_inputs(model, inputs, [VisionStat("received", -1), VisionStat("mean_query", -1)])
+    stats = ctx.vision
     t, h, w = tokens.grid
     mean_query = stats[VisionStat("mean_query", -1)]
     assert mean_query.shape == (t, h * w)
@@ -167,14 +120,9 @@ def test_qwen2_5_window_permutation_is_undone():
 def test_prepool_features_pool_back_to_the_tokens(family):
     model, _ = model_and_processor(family)
     inputs = single_inputs(family)
-    spy = Spy([], prepool=True)
-    patch = patched_with(model, spy)
-    try:
-        with torch.no_grad():
-            model(**inputs)
-    finally:
-        patch.remove()
-    tokens, _, prepool, pool = spy.seen[0]
+    tokens, ctx = connect_inputs(model, inputs, needs_prepool=True)
+    prepool = ctx.prepool
+    pool = ctx.pool
     f, h, w = tokens.grid
     assert prepool.shape[:3] == (f, 27, 27) if family == "llava_onevision" else prepool.shape[:3] == (f, 24, 24)
     pooled = pool(prepool)
@@ -186,8 +134,7 @@ def test_capture_is_removed_on_unpatch():
     model, _ = model_and_processor("llava_onevision")
     config = model.config.vision_config
     before = config._attn_implementation
-    spy = Spy([VisionStat("received", -1)], prepool=True)
-    patch = patched_with(model, spy)
+    patch = install_spy(model, ConnectSpy([VisionStat("received", -1)], needs_prepool=True))
     assert config._attn_implementation == "vtc_sdpa"
     patch.remove()
     assert config._attn_implementation == before

@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 
 import vtc
-from tests.conftest import model_and_processor, single_inputs
+from tests.conftest import grid_tokens, model_and_processor, single_inputs
 from tests.probes import connect_inputs, llm_inputs
-from vtc.tokens import Context, VideoTokens
+from vtc.tokens import Context
 from vtc.vision import VisionStat
 from vtc_plugins.visionzip import (
     VisionZip,
@@ -25,22 +25,6 @@ from vtc_plugins.visionzip import (
     split_counts,
     token_grid_maps,
 )
-
-
-def make_tokens(embeds: torch.Tensor, grid, mrope: bool = False) -> VideoTokens:
-    t, h, w = grid
-    n = t * h * w
-    flat = torch.arange(n)
-    positions = torch.stack([flat // (h * w), (flat // w) % h, flat % w]) if mrope else flat
-    return VideoTokens(
-        embeds=embeds,
-        positions=positions,
-        frame=flat // (h * w),
-        row=(flat // w) % h,
-        col=flat % w,
-        weight=torch.ones(n),
-        grid=grid,
-    )
 
 
 def port_reference(hidden, attention, metric, dominant_num, contextual_num):
@@ -200,7 +184,7 @@ def _qwen_context(grid, seed=0):
 def test_connect_per_frame_order_and_features(mrope):
     grid = (3, 4, 4)
     embeds = torch.randn(48, 8, generator=torch.Generator().manual_seed(1))
-    tokens = make_tokens(embeds, grid, mrope)
+    tokens = grid_tokens(embeds, grid, mrope)
     ctx, vision = _qwen_context(grid)
     out = VisionZip(VisionZipParams(tokens_per_frame=6), None).vtc_connect(tokens=tokens, ctx=ctx)
     dominant, contextual = split_counts(6)
@@ -227,7 +211,7 @@ def test_connect_per_frame_order_and_features(mrope):
 
 def test_connect_keeps_everything_at_full_budget():
     grid = (2, 3, 3)
-    tokens = make_tokens(torch.randn(18, 4), grid)
+    tokens = grid_tokens(torch.randn(18, 4), grid)
     ctx, _ = _qwen_context(grid)
     plugin = VisionZip(VisionZipParams(), 1.0)
     assert plugin.vtc_connect(tokens=tokens, ctx=ctx) is tokens
@@ -236,11 +220,15 @@ def test_connect_keeps_everything_at_full_budget():
 
 def test_connect_on_frames_an_earlier_plugin_thinned():
     grid = (2, 4, 4)
-    tokens = make_tokens(torch.randn(32, 4), grid)
+    tokens = grid_tokens(torch.randn(32, 4), grid)
     thinned = tokens.select(torch.tensor(list(range(0, 16, 4)) + list(range(16, 32))))  # frame 0: 4 tokens
     ctx, _ = _qwen_context(grid)
     out = VisionZip(VisionZipParams(tokens_per_frame=6), None).vtc_connect(tokens=thinned, ctx=ctx)
     assert int((out.frame == 0).sum()) == 4 and int((out.frame == 1).sum()) == 6
+
+
+def visionzip_stats(family):
+    return VisionZip(VisionZipParams(), None).vision_stats(family)
 
 
 # --- the patched models -------------------------------------------------------------------------------------------
@@ -250,7 +238,7 @@ def test_patched_llava_onevision_matches_the_port_on_the_models_statistics():
     family = "llava_onevision"
     model, _ = model_and_processor(family)
     inputs = single_inputs(family)
-    tokens, ctx = connect_inputs(model, inputs, VisionZip(VisionZipParams(), None), family)
+    tokens, ctx = connect_inputs(model, inputs, visionzip_stats(family), needs_prepool=True)
     t, h, w = tokens.grid
     attention, metric = token_grid_maps(ctx.vision, family, (h, w))
     dominant, contextual = split_counts(frame_tokens(h * w, 0.25))
@@ -273,7 +261,7 @@ def test_patched_llava_next_video_merges_clip_features_before_the_projector():
     family = "llava_next_video"
     model, _ = model_and_processor(family)
     inputs = single_inputs(family)
-    tokens, ctx = connect_inputs(model, inputs, VisionZip(VisionZipParams(), None), family)
+    tokens, ctx = connect_inputs(model, inputs, visionzip_stats(family), needs_prepool=True)
     t, h, w = tokens.grid
     attention, metric = token_grid_maps(ctx.vision, family, (h, w))
     pooled = F.avg_pool2d(ctx.prepool.permute(0, 3, 1, 2), 2).permute(0, 2, 3, 1).reshape(t, h * w, -1)
