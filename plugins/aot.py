@@ -32,9 +32,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from vtc.hookspecs import hookimpl
-from vtc.registry import MethodInfo
-from vtc.vision import VisionStat
+from vtc.core.hookspecs import hookimpl
+from vtc.core.registry import MethodInfo
+from vtc.core.vision_stats import VisionStat
 from vtc_kernels import reconcile_count, sinkhorn
 
 Tensor = torch.Tensor

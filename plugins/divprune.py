@@ -21,8 +21,8 @@ import dataclasses
 
 import torch
 
-from vtc.hookspecs import hookimpl
-from vtc.registry import MethodInfo
+from vtc.core.hookspecs import hookimpl
+from vtc.core.registry import MethodInfo
 
 Tensor = torch.Tensor
 

@@ -29,8 +29,8 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from vtc.hookspecs import hookimpl
-from vtc.registry import MethodInfo
+from vtc.core.hookspecs import hookimpl
+from vtc.core.registry import MethodInfo
 
 Tensor = torch.Tensor
 

@@ -28,9 +28,9 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from vtc.hookspecs import hookimpl
-from vtc.registry import MethodInfo
-from vtc.vision import VisionStat
+from vtc.core.hookspecs import hookimpl
+from vtc.core.registry import MethodInfo
+from vtc.core.vision_stats import VisionStat
 from vtc_kernels import dpc_knn_scores, reconcile_count
 
 Tensor = torch.Tensor

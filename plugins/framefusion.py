@@ -22,8 +22,8 @@ import dataclasses
 
 import torch
 
-from vtc.hookspecs import hookimpl
-from vtc.registry import MethodInfo
+from vtc.core.hookspecs import hookimpl
+from vtc.core.registry import MethodInfo
 from vtc_kernels import chain_anchors, chain_order, chain_similarity, topk_indices, topk_mask
 from vtc_kernels.similarity import NO_PREDECESSOR
 

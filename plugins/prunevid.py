@@ -32,8 +32,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from vtc.hookspecs import hookimpl
-from vtc.registry import MethodInfo
+from vtc.core.hookspecs import hookimpl
+from vtc.core.registry import MethodInfo
 from vtc_kernels import dpc_knn_centers, reconcile_count, topk_indices
 
 Tensor = torch.Tensor
@@ -591,7 +591,7 @@ class PruneVid:
     def _position_free_scores(state, ctx, layer: int) -> Tensor:
         """Recompute layer `layer`'s query / key projections (input norm, q/k projections, Qwen3's q/k norms)
         from the stream entering it, as its attention does, but stop before the rotary embedding."""
-        from vtc.adapters import resolve_adapter
+        from vtc.hf.adapters import resolve_adapter
 
         module = resolve_adapter(ctx.model).decoder_layers[layer]
         attn = module.self_attn

@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from vtc.hookspecs import hookimpl
-from vtc.registry import MethodInfo
-from vtc.video import uniform_indices
+from vtc.core.hookspecs import hookimpl
+from vtc.core.registry import MethodInfo
+from vtc.media.video import uniform_indices
 
 # The decoupling prompt of quota_pipeline.py (the method is defined by it; reproduced verbatim in substance)
 DECOUPLE_PROMPT = """
@@ -257,7 +257,7 @@ class Quota:
                 raise ValueError("quota scores frames with the patched model: use handle.prepare(processor, video, q)")
             return model, processor
         if self._scorer_model is None:
-            from vtc.loading import load_model
+            from vtc.tools.loading import load_model
 
             self._scorer_model = load_model(self.params.scorer)
         return self._scorer_model

@@ -11,8 +11,8 @@ import dataclasses
 
 import torch
 
-from vtc.hookspecs import hookimpl
-from vtc.registry import MethodInfo
+from vtc.core.hookspecs import hookimpl
+from vtc.core.registry import MethodInfo
 
 
 @dataclasses.dataclass

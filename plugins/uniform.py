@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from vtc.hookspecs import hookimpl
-from vtc.registry import MethodInfo
-from vtc.video import uniform_indices
+from vtc.core.hookspecs import hookimpl
+from vtc.core.registry import MethodInfo
+from vtc.media.video import uniform_indices
 
 
 @dataclasses.dataclass

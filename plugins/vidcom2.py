@@ -23,8 +23,8 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from vtc.hookspecs import hookimpl
-from vtc.registry import MethodInfo
+from vtc.core.hookspecs import hookimpl
+from vtc.core.registry import MethodInfo
 from vtc_kernels import reconcile_count, topk_indices
 
 Tensor = torch.Tensor

@@ -17,7 +17,7 @@ warnings.filterwarnings("ignore", message=".*cap_pixels_per_frame.*")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 import vtc  # noqa: E402
-from vtc import tiny  # noqa: E402
+from vtc.testing import tiny  # noqa: E402
 
 try:  # a tiny CLIP architecture (random weights) for quota-clip tests
     import open_clip
@@ -25,7 +25,7 @@ try:  # a tiny CLIP architecture (random weights) for quota-clip tests
     open_clip.add_model_config(os.path.join(os.path.dirname(__file__), "assets"))
 except ImportError:  # pragma: no cover - open_clip is a dev dependency
     open_clip = None
-from vtc.video import synthetic_video  # noqa: E402
+from vtc.media.video import synthetic_video  # noqa: E402
 
 FAMILIES = tiny.FAMILIES
 QUESTIONS = ("What happens in this video?", "How many objects are visible in the whole clip, and which one moves?")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import vtc
-from vtc.hookspecs import hookimpl
+from vtc.core.hookspecs import hookimpl
 
 
 def llm_inputs(model, inputs, method: str | None = None, **kwargs):

@@ -17,7 +17,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from vtc.adapters import resolve_adapter
+from vtc.hf.adapters import resolve_adapter
 
 CAPTURED: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 _NAME = "vtc_test_capture"

@@ -8,7 +8,7 @@ import torch
 
 import vtc
 from tests.conftest import model_and_processor, single_inputs
-from vtc import tiny
+from vtc.testing import tiny
 
 
 def logits(model, inputs):
@@ -200,7 +200,7 @@ def test_methods_listing():
 def test_method_not_supporting_family(monkeypatch):
     import dataclasses
 
-    from vtc.registry import registry
+    from vtc.core.registry import registry
 
     info = registry()["random"]
     monkeypatch.setitem(registry()._methods, "random", dataclasses.replace(info, families=("qwen2_vl",)))
@@ -234,7 +234,7 @@ def test_third_party_plugin_from_entry_point(tmp_path, monkeypatch):
     (dist / "entry_points.txt").write_text("[vtc]\nthirdparty = vtc_thirdparty_demo\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delenv("VTC_DISABLE_PLUGIN_AUTOLOAD", raising=False)
-    from vtc.registry import registry
+    from vtc.core.registry import registry
 
     registry.cache_clear()
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import vtc
-from vtc.cli import main, parse_params
+from vtc.tools.cli import main, parse_params
 
 
 def test_methods_table_and_json(capsys):

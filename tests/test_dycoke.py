@@ -17,8 +17,8 @@ import vtc
 from tests.conftest import FAMILIES, batch_inputs, grid_tokens, model_and_processor, single_inputs
 from tests.probes import llm_inputs
 from tests.reference import CAPTURED, ManualLLM, compressible_video_mask, start
-from vtc.llm.runtime import TokenLayout
-from vtc.tokens import Context, VideoTokens
+from vtc.core.tokens import Context, VideoTokens
+from vtc.hf.llm.runtime import TokenLayout
 from vtc_plugins.dycoke import (
     DyCoke,
     DyCokeParams,

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 import vtc
 from tests.conftest import batch_inputs, grid_tokens, model_and_processor, single_inputs
 from tests.probes import connect_inputs, llm_inputs
-from vtc.tokens import Context, VideoTokens
-from vtc.vision import VisionStat
+from vtc.core.tokens import Context, VideoTokens
+from vtc.core.vision_stats import VisionStat
 from vtc_plugins.fastvid import (
     FastVID,
     FastVIDParams,

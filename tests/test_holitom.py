@@ -517,7 +517,7 @@ def test_fixed_count_depends_only_on_the_grid():
 
 
 def test_connect_returns_the_input_at_full_retention():
-    from vtc.tokens import Context, VideoTokens
+    from vtc.core.tokens import Context, VideoTokens
 
     plugin = HoliTom(HoliTomParams(), 1.0)
     ones = torch.ones(4, dtype=torch.long)

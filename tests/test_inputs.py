@@ -8,7 +8,7 @@ import torch
 
 import vtc
 from tests.conftest import model_and_processor, videos
-from vtc.video import VideoSource, available_backends, synthetic_video, uniform_indices, write_video
+from vtc.media.video import VideoSource, available_backends, synthetic_video, uniform_indices, write_video
 
 
 def test_uniform_indices():
@@ -98,7 +98,7 @@ def test_question_reaches_query_aware_plugins():
     model, processor = model_and_processor("qwen2_vl")
     seen = {}
 
-    from vtc.hookspecs import hookimpl
+    from vtc.core.hookspecs import hookimpl
 
     class Spy:
         @hookimpl

@@ -294,7 +294,7 @@ def test_bf16(method, family):
 
 
 def test_matrix_covers_every_family_and_method():
-    from vtc.adapters import SUPPORTED_FAMILIES
+    from vtc.hf.adapters import SUPPORTED_FAMILIES
 
     assert set(FAMILIES) == set(SUPPORTED_FAMILIES)
     assert {"random", "fastv", "framefusion"} <= set(METHODS)

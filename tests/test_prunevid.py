@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import vtc
 from tests.conftest import model_and_processor, single_inputs
 from tests.reference import CAPTURED, ManualLLM, last_rows_attention
-from vtc.tokens import Context, VideoTokens
+from vtc.core.tokens import Context, VideoTokens
 from vtc_plugins.prunevid import (
     DEFAULT_ALPHA,
     README_RETAINED,

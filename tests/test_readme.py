@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import vtc
-from vtc import tiny
-from vtc.video import synthetic_video, write_video
+from vtc.media.video import synthetic_video, write_video
+from vtc.testing import tiny
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,9 +43,9 @@ def offline(tmp_path, monkeypatch):
     """Stand-ins for downloads: tiny models for hub ids, a generated clip.mp4 in the working directory."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    import vtc.bench
-    import vtc.loading
-    import vtc.run
+    import vtc.tools.bench
+    import vtc.tools.loading
+    import vtc.tools.run
 
     built: dict[str, tuple] = {}
 
@@ -59,7 +59,7 @@ def offline(tmp_path, monkeypatch):
     monkeypatch.setattr(AutoProcessor, "from_pretrained", classmethod(lambda cls, n, **kw: get(n)[1]))
     load = lambda name, **kw: get(name)  # noqa: E731
     small = lambda family, size, dtype="float32": tiny.build(family, size="tiny")  # noqa: E731
-    for module in (vtc.run, vtc.bench):
+    for module in (vtc.tools.run, vtc.tools.bench):
         monkeypatch.setattr(module, "load_model", load)
         monkeypatch.setattr(module, "build_random_model", small)
     monkeypatch.chdir(tmp_path)
@@ -72,7 +72,7 @@ def run_python(block: str, namespace: dict) -> None:
 
 
 def run_shell(block: str) -> int:
-    from vtc.cli import main
+    from vtc.tools.cli import main
 
     ran = 0
     for line in block.splitlines():

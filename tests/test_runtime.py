@@ -12,8 +12,8 @@ import torch
 import vtc
 from tests.conftest import model_and_processor, single_inputs
 from tests.reference import CAPTURED, start
-from vtc.hookspecs import hookimpl
-from vtc.registry import MethodInfo, registry
+from vtc.core.hookspecs import hookimpl
+from vtc.core.registry import MethodInfo, registry
 
 FAMILY = "qwen2_vl"
 
@@ -152,7 +152,7 @@ def test_replace_hidden_mid_layer(methods):
             h = ref.mlp_block(i, h)
         expected = ref.logits(h)[:, -1]
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
-    from vtc.llm.runtime import LLMRuntime
+    from vtc.hf.llm.runtime import LLMRuntime
 
     runtime = LLMRuntime(model.model.language_model, [], lambda s, d: None, FAMILY)
     runtime.hidden = torch.zeros(1, 2, 3)

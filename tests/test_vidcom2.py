@@ -12,7 +12,7 @@ import torch
 import vtc
 from tests.conftest import batch_inputs, model_and_processor, single_inputs
 from tests.probes import llm_inputs
-from vtc.tokens import Context, VideoTokens
+from vtc.core.tokens import Context, VideoTokens
 from vtc_plugins.vidcom2 import (
     ALPHAS,
     VidCom2,

@@ -9,8 +9,8 @@ import torch
 import vtc
 from tests.conftest import model_and_processor, single_inputs
 from tests.probes import ConnectSpy, connect_inputs, install_spy
-from vtc.adapters.base import encoder_layers
-from vtc.vision import VisionStat
+from vtc.core.vision_stats import VisionStat
+from vtc.hf.adapters.base import encoder_layers
 
 
 def eager_attentions(model, inputs):

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 import vtc
 from tests.conftest import grid_tokens, model_and_processor, single_inputs
 from tests.probes import connect_inputs, llm_inputs
-from vtc.tokens import Context
-from vtc.vision import VisionStat
+from vtc.core.tokens import Context
+from vtc.core.vision_stats import VisionStat
 from vtc_plugins.visionzip import (
     VisionZip,
     VisionZipParams,

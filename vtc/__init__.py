@@ -5,14 +5,21 @@ handle = vtc.patch(model, "uniform+fastv", retention=0.3)
 inputs = handle.prepare(processor, "clip.mp4", "What happens?")
 out = model.generate(**inputs)
 handle.stats(); handle.unpatch()
+
+Layout: `vtc.core` (backend-neutral types, registry, pipeline), `vtc.hf` (the HuggingFace backend),
+`vtc.media` (video reading and frame sampling), `vtc.tools` (CLI), `vtc.testing` (tiny offline models).
 """
 
+from vtc import _moved
 from vtc.api import PatchHandle, patch, prepare_inputs
-from vtc.hookspecs import hookimpl
-from vtc.registry import MethodInfo, registry
-from vtc.tokens import Context, VideoTokens
+from vtc.core.hookspecs import hookimpl
+from vtc.core.registry import MethodInfo, registry
+from vtc.core.tokens import Context, VideoTokens
+from vtc.core.vision_stats import VisionStat
 
 __version__ = "0.1.0"
+
+_moved.install()
 
 
 def methods() -> list[MethodInfo]:
@@ -25,6 +32,7 @@ __all__ = [
     "MethodInfo",
     "PatchHandle",
     "VideoTokens",
+    "VisionStat",
     "hookimpl",
     "methods",
     "patch",

@@ -10,11 +10,11 @@ from typing import Any, Sequence
 
 import torch
 
-from vtc.adapters import resolve_adapter
-from vtc.inputs import prepare_batch
-from vtc.patching import ModelPatch
-from vtc.pipeline import Pipeline
-from vtc.stats import ForwardStats, StatsRecorder
+from vtc.core.pipeline import Pipeline
+from vtc.core.stats import ForwardStats, StatsRecorder
+from vtc.hf.adapters import resolve_adapter
+from vtc.hf.patching import ModelPatch
+from vtc.media.inputs import prepare_batch
 
 # model -> its live handle; weak so a patched model can be garbage-collected
 _HANDLES: "weakref.WeakKeyDictionary[torch.nn.Module, PatchHandle]" = weakref.WeakKeyDictionary()

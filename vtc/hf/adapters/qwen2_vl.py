@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from vtc.adapters.base import Adapter, CapturedInputs, VideoSpan, contiguous_spans, runs
+from vtc.hf.adapters.base import Adapter, CapturedInputs, VideoSpan, contiguous_spans, runs
 
 
 def qwen_grids(

@@ -9,14 +9,14 @@ import math
 
 import torch
 
-from vtc.adapters.base import (
+from vtc.hf.adapters.base import (
     CapturedInputs,
     LlavaAdapter,
     VideoSpan,
     contiguous_spans,
     frames_per_video,
 )
-from vtc.prepool import PrepoolCapture
+from vtc.hf.prepool import PrepoolCapture
 
 
 class LlavaOnevisionAdapter(LlavaAdapter):

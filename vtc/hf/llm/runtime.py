@@ -7,7 +7,7 @@ Hooks, all on the patched model's own modules (removed by `remove()`):
     "after_attention" on the residual stream (h + Attn(LN(h))), and if they shrink it, runs the MLP on the
     short stream and makes the layer return `short + MLP(LN(short))`, exactly as a forward written for it
     would (the layer's own full-length residual add is discarded);
-  * the registered attention function (`vtc.llm.attention`): explicit attention rows for plugins that ask,
+  * the registered attention function (`vtc.hf.llm.attention`): explicit attention rows for plugins that ask,
     and masks for layers whose keys no longer line up with the mask transformers built.
 Layers cache only the tokens alive when they ran, so the KV cache is ragged across layers; decode steps
 use per-layer key masks recorded at prefill. Survivors keep their original positions (RoPE rows are
@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import torch
 
-from vtc.llm import attention as attn_mod
+from vtc.hf.llm import attention as attn_mod
 
 Tensor = torch.Tensor
 

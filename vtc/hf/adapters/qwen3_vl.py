@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from vtc.adapters.base import CapturedInputs, VideoSpan, runs
-from vtc.adapters.qwen2_vl import Qwen2VLAdapter, qwen_grids, video_runs, video_token_counts
+from vtc.hf.adapters.base import CapturedInputs, VideoSpan, runs
+from vtc.hf.adapters.qwen2_vl import Qwen2VLAdapter, qwen_grids, video_runs, video_token_counts
 
 
 class Qwen3VLAdapter(Qwen2VLAdapter):

@@ -11,8 +11,8 @@ from rich.console import Console
 from rich.table import Table
 
 import vtc
-from vtc.loading import DEMO_FAMILY, build_random_model, demo_clip, load_model
-from vtc.timing import LLMTimer, synchronize
+from vtc.tools.loading import DEMO_FAMILY, build_random_model, demo_clip, load_model
+from vtc.tools.timing import LLMTimer, synchronize
 
 DEMO_QUESTION = "What happens in this video, and which object moves?"
 

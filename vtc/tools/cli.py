@@ -71,7 +71,7 @@ def cmd_methods(args, console: Console) -> int:
 
 
 def cmd_run(args, console: Console) -> int:
-    from vtc.run import run
+    from vtc.tools.run import run
 
     result = run(
         model=args.model,
@@ -96,7 +96,7 @@ def cmd_run(args, console: Console) -> int:
 
 
 def cmd_bench(args, console: Console) -> int:
-    from vtc.bench import bench
+    from vtc.tools.bench import bench
 
     bench(
         model=args.model,

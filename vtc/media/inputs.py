@@ -9,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
-from vtc.tokens import Context
-from vtc.video import VideoSource, uniform_indices
+from vtc.core.tokens import Context
+from vtc.media.video import VideoSource, uniform_indices
 
 DEFAULT_NUM_FRAMES = 16
 

@@ -33,8 +33,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 import vtc
-from vtc.loading import build_random_model, demo_clip, load_model
-from vtc.timing import LLMTimer, peak_memory_mb, plain_prefill_seconds, synchronize
+from vtc.tools.loading import build_random_model, demo_clip, load_model
+from vtc.tools.timing import LLMTimer, peak_memory_mb, plain_prefill_seconds, synchronize
 
 BENCH_QUESTION = "What happens in this video?"
 
@@ -44,7 +44,7 @@ def params_for(spec: str, params: dict[str, Any]) -> dict[str, Any]:
     `name`, `method.name=value` for methods in the spec), so one parameter list can serve every row."""
     import dataclasses
 
-    from vtc.pipeline import parse_spec
+    from vtc.core.pipeline import parse_spec
 
     names = parse_spec(spec)
     fields = {n: {f.name for f in dataclasses.fields(vtc.registry()[n].params)} for n in names}

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import torch
 
-from vtc.adapters.base import (
+from vtc.hf.adapters.base import (
     CapturedInputs,
     LlavaAdapter,
     VideoSpan,
     contiguous_spans,
     frames_per_video,
 )
-from vtc.prepool import PrepoolCapture
+from vtc.hf.prepool import PrepoolCapture
 
 
 class LlavaNextVideoAdapter(LlavaAdapter):

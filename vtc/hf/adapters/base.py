@@ -3,7 +3,7 @@
 An adapter is small and declarative: where the modules are (`outer`, `text_model`, `decoder_layers`,
 `vision_tower`), which token id marks video features and how the video tokens of a prompt are laid out
 (`video_spans`). The generic
-machinery that rewrites the sequence lives in `vtc.patching`.
+machinery that rewrites the sequence lives in `vtc.hf.patching`.
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ def contiguous_spans(
 
 
 class Adapter:
-    """Base class; one subclass per model family (see `vtc/adapters/<family>.py`)."""
+    """Base class; one subclass per model family (see `vtc/hf/adapters/<family>.py`)."""
 
     family: str = ""
     class_names: tuple[str, ...] = ()
@@ -210,7 +210,7 @@ class Adapter:
         raise NotImplementedError
 
     def vision_stats_per_video(self, calls, spans, layer_of) -> list[dict]:
-        """Turn captured per-call attention statistics into one dict per video (see `vtc.vision`)."""
+        """Turn captured per-call attention statistics into one dict per video (see `vtc.hf.vision`)."""
         raise NotImplementedError
 
     # --- pre-pool features (LLaVA families pool 2x2 after the projector) -----------------------------------------

@@ -19,13 +19,13 @@ from typing import Any
 
 import torch
 
-from vtc.adapters import Adapter, CapturedInputs, VideoSpan
-from vtc.llm.runtime import LLMRuntime
-from vtc.pipeline import Pipeline
-from vtc.sequence import deepstack_per_token, identity_layout, rebuild
-from vtc.stats import StatsRecorder
-from vtc.tokens import Context, VideoTokens
-from vtc.vision import VisionCapture
+from vtc.core.pipeline import Pipeline
+from vtc.core.stats import StatsRecorder
+from vtc.core.tokens import Context, VideoTokens
+from vtc.hf.adapters import Adapter, CapturedInputs, VideoSpan
+from vtc.hf.llm.runtime import LLMRuntime
+from vtc.hf.sequence import deepstack_per_token, identity_layout, rebuild
+from vtc.hf.vision import VisionCapture
 
 Tensor = torch.Tensor
 

@@ -148,9 +148,9 @@ class Context:
     `question` is the text the user asked about this video (the prompt text after the video); the
     `sample` stage gets it from the caller, later stages from the prompt tokens. `question_ids` and the
     lazily computed `question_embeds` come from the prompt as the model tokenised it.
-    `vision` holds the vision-tower attention statistics the plugin asked for (`vtc.vision`), per frame;
+    `vision` holds the vision-tower attention statistics the plugin asked for (`vtc.hf.vision`), per frame;
     `prepool` / `pool` / `project` the pre-pooling frame features, the model's pooling and the projector still
-    to apply to them (`vtc.prepool`, LLaVA only). `extra["prepared"]` holds what the sample stage prepared
+    to apply to them (`vtc.hf.prepool`, LLaVA only). `extra["prepared"]` holds what the sample stage prepared
     for this prompt in `handle.prepare` (e.g. QuoTA's frame weights).
     """
 

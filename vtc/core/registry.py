@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import pluggy
 
-from vtc import hookspecs
+from vtc.core import hookspecs
 
 # Model families an adapter exists for; a method lists the subset it supports.
 ALL_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava_onevision", "llava_next_video")

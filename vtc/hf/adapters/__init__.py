@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from vtc.adapters.base import Adapter, CapturedInputs, VideoSpan
-from vtc.adapters.llava_next_video import LlavaNextVideoAdapter
-from vtc.adapters.llava_onevision import LlavaOnevisionAdapter
-from vtc.adapters.qwen2_5_vl import Qwen2_5_VLAdapter
-from vtc.adapters.qwen2_vl import Qwen2VLAdapter
-from vtc.adapters.qwen3_vl import Qwen3VLAdapter
+from vtc.hf.adapters.base import Adapter, CapturedInputs, VideoSpan
+from vtc.hf.adapters.llava_next_video import LlavaNextVideoAdapter
+from vtc.hf.adapters.llava_onevision import LlavaOnevisionAdapter
+from vtc.hf.adapters.qwen2_5_vl import Qwen2_5_VLAdapter
+from vtc.hf.adapters.qwen2_vl import Qwen2VLAdapter
+from vtc.hf.adapters.qwen3_vl import Qwen3VLAdapter
 
 ADAPTERS: tuple[type[Adapter], ...] = (
     Qwen2VLAdapter,

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from vtc import tiny
-from vtc.video import synthetic_video, write_video
+from vtc.media.video import synthetic_video, write_video
+from vtc.testing import tiny
 
 DEMO_FAMILY = "qwen2_5_vl"
 
@@ -47,7 +47,7 @@ def _dtype(name: str):
 
 
 def build_random_model(family: str, size: str, dtype: str = "float32"):
-    """A random-weight model of `family` at `size` (see `vtc.tiny.SIZES`), built offline."""
+    """A random-weight model of `family` at `size` (see `vtc.testing.tiny.SIZES`), built offline."""
     resolved = _dtype(dtype)
     return tiny.build(family, size=size, dtype=torch.float32 if resolved == "auto" else resolved)
 

@@ -12,9 +12,9 @@ import dataclasses
 
 import torch
 
-from vtc.adapters.base import VideoSpan
-from vtc.llm.runtime import TokenLayout
-from vtc.tokens import VideoTokens
+from vtc.core.tokens import VideoTokens
+from vtc.hf.adapters.base import VideoSpan
+from vtc.hf.llm.runtime import TokenLayout
 
 Tensor = torch.Tensor
 

@@ -30,7 +30,7 @@ def vtc_sample(video, ctx):
     """Choose which frames of a video the processor sees. Runs before the processor, in user code
     (`handle.prepare`) and in `vtc run`.
 
-    video: `vtc.video.VideoSource` (metadata + lazy frame access); ctx: `Context` with `question`.
+    video: `vtc.media.video.VideoSource` (metadata + lazy frame access); ctx: `Context` with `question`.
     Return: a sorted list of frame indices into the decoded video. Exactly one plugin may own frame
     selection; when none is given the pipeline samples uniformly.
     """
@@ -60,6 +60,6 @@ def vtc_prefill(state, ctx):
     "after_attention" (on the residual stream after attention, before the MLP) of every layer during
     prefill; during decoding only for plugins that set `acts_during_decode = True`.
 
-    state: `vtc.llm.runtime.LLMState` (hidden states, token bookkeeping, captured attention rows).
+    state: `vtc.hf.llm.runtime.LLMState` (hidden states, token bookkeeping, captured attention rows).
     Return: None; change the sequence through `state.keep(...)` / `state.merge(...)`.
     """

@@ -1,50 +1,24 @@
-"""Vision-tower attention statistics for `connect` plugins, captured only at the layers plugins ask for.
+"""Vision-tower attention statistics for `connect` plugins (HF backend), captured only at the layers plugins
+ask for (`vtc.core.vision_stats.VisionStat` lists the kinds and their shapes).
 
 Methods such as VisionZip, HoliTom, AOT and FastVID rank visual tokens by how much attention they receive
 inside the vision encoder. Their official code switches the whole tower to eager attention; vtc instead
 routes the tower's attention through its registered attention function (`vtc_sdpa`), and for the requested
 layers only computes the statistic from that layer's query/key (in chunks of frames, so the full maps
 never sit in memory), then calls the original attention. Other layers pass straight through.
-
-A plugin asks with `vision_stats(self, family) -> list[VisionStat]`; in `vtc_connect` it reads
-`ctx.vision[stat]`, one tensor per frame of its video:
-
-  LLaVA families (per input frame, on the encoder's patch grid, CLS first where the tower has one):
-    "received"   [F, L]          attention each key receives: sum over queries, mean over heads
-    "cls"        [F, heads, L]   the CLS query's attention row (CLIP towers only)
-    "keys"       [F, L, d]       keys averaged over heads (VisionZip's similarity metric)
-  Qwen families (per temporal patch, on the LLM token grid: patch values averaged over each 2x2 merge unit,
-  window permutation of Qwen2.5-VL undone):
-    "received"   [T, H*W]        as above
-    "keys"       [T, H*W, d]
-    "mean_query" [T, H*W]        FastVID's Qwen2.5-VL score: softmax over merge units of the mean query
-                                 against the units' mean keys, averaged over heads
-`layer` counts from the start (>= 0) or from the layer whose output the model uses as features (-1 = that
-layer, -2 = the one before, as `attentions[-2]` in the official LLaVA code).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
 
-from vtc.llm import attention as attn_mod
+from vtc.core.vision_stats import KINDS, VisionStat  # noqa: F401  (re-exported)
+from vtc.hf.llm import attention as attn_mod
 
 Tensor = torch.Tensor
-KINDS = ("received", "cls", "keys", "mean_query")
 FRAME_CHUNK = 4  # frames whose attention maps are materialised at once
-
-
-@dataclasses.dataclass(frozen=True)
-class VisionStat:
-    kind: str
-    layer: int = -1
-
-    def __post_init__(self):
-        if self.kind not in KINDS:
-            raise ValueError(f"unknown vision statistic {self.kind!r}; choose one of {', '.join(KINDS)}")
 
 
 def _frame_stats(query: Tensor, key: Tensor, scaling: float, kinds: set[str]) -> dict[str, Tensor]:

@@ -7,10 +7,10 @@ import math
 import time
 from typing import Any, Iterable
 
-from vtc import hookspecs
-from vtc.registry import MethodInfo, Registry, make_plugin_manager, registry
-from vtc.stats import StatsRecorder
-from vtc.tokens import Context, VideoTokens
+from vtc.core import hookspecs
+from vtc.core.registry import MethodInfo, Registry, make_plugin_manager, registry
+from vtc.core.stats import StatsRecorder
+from vtc.core.tokens import Context, VideoTokens
 
 
 def parse_spec(spec: str | Iterable[str]) -> list[str]:

@@ -9,7 +9,7 @@ from typing import Callable
 
 import torch
 
-from vtc.adapters import resolve_adapter
+from vtc.hf.adapters import resolve_adapter
 
 
 def synchronize(device: torch.device | str | None = None) -> None:

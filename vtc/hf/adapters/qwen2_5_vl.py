@@ -6,8 +6,8 @@ scattered them into the prompt, i.e. after the reorder, so nothing here depends 
 
 from __future__ import annotations
 
-from vtc.adapters.base import CapturedInputs, VideoSpan
-from vtc.adapters.qwen2_vl import Qwen2VLAdapter, qwen_vision_stats
+from vtc.hf.adapters.base import CapturedInputs, VideoSpan
+from vtc.hf.adapters.qwen2_vl import Qwen2VLAdapter, qwen_vision_stats
 
 
 class Qwen2_5_VLAdapter(Qwen2VLAdapter):

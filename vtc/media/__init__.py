@@ -1,0 +1,1 @@
+"""Media input: reading videos, frame sampling conventions, processor inputs."""

@@ -1,0 +1,1 @@
+"""Offline test fixtures: tiny random-weight models of every family (`vtc.testing.tiny`)."""

@@ -1,0 +1,1 @@
+"""Command-line tools: `vtc methods`, `vtc run`, `vtc bench`, timing and model loading."""
