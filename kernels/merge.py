@@ -1,4 +1,4 @@
-"""Merge ops: fold tokens into anchors (plain or weighted means)."""
+"""Merge ops: fold tokens into anchors."""
 
 from __future__ import annotations
 
@@ -18,27 +18,14 @@ def chain_anchors(merge: Tensor) -> Tensor:
     return last_kept[merge]
 
 
-def chain_merge_mean(x: Tensor, order: Tensor, merge: Tensor) -> tuple[Tensor, Tensor]:
-    """Merge runs of chain elements into their anchors with a plain (unweighted) mean.
-
-    x [n, D]; order [m] slots in chain order; merge bool [m]. Returns (x_new [n, D], keep bool [n]):
-    each anchor becomes (x_anchor + sum of its run) / (run length + 1), merged slots are dropped.
-    The arithmetic is FrameFusion's: index_add_ into the anchors, then one division."""
-    anchors = order[chain_anchors(merge)]
-    members = order[merge]
+def mean_into_anchors(x: Tensor, dst: Tensor, src: Tensor) -> Tensor:
+    """Fold row src[e] of x [n, ...] into row dst[e], for every e: each destination becomes the plain
+    (unweighted) mean of itself and the rows folded into it; every other row is unchanged (the caller drops
+    the sources). FrameFusion's arithmetic: index_add_ into the destinations, then one division, in x's dtype."""
     out = x.clone()
-    out.index_add_(0, anchors, x[members])
-    unique, counts = torch.unique(anchors, return_counts=True)
-    out[unique] /= (counts + 1).to(out.dtype).view(-1, *([1] * (x.dim() - 1)))
-    keep = torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
-    keep[members] = False
-    return out, keep
-
-
-def scatter_mean(x: Tensor, index: Tensor, num_groups: int, weight: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Weighted mean of the rows of x [n, D] per group `index` [n] -> ([num_groups, D], group weight [num_groups]).
-    Empty groups give zeros."""
-    w = torch.ones(x.shape[0], dtype=x.dtype, device=x.device) if weight is None else weight.to(x.dtype)
-    total = x.new_zeros(num_groups, *x.shape[1:]).index_add_(0, index, x * w.view(-1, *([1] * (x.dim() - 1))))
-    mass = x.new_zeros(num_groups).index_add_(0, index, w)
-    return total / mass.clamp(min=torch.finfo(x.dtype).tiny).view(-1, *([1] * (x.dim() - 1))), mass
+    if src.numel() == 0:
+        return out
+    out.index_add_(0, dst, x[src])
+    anchors, counts = torch.unique(dst, return_counts=True)
+    out[anchors] /= (counts + 1).to(out.dtype).view(-1, *([1] * (x.dim() - 1)))
+    return out

@@ -1,4 +1,4 @@
-"""Selection ops: top-k keep (with deterministic order) and gathering tokens with their positions."""
+"""Selection ops: top-k keep (with deterministic order) and exact-count reconciliation."""
 
 from __future__ import annotations
 
@@ -24,11 +24,6 @@ def topk_mask(scores: Tensor, k: int, candidates: Tensor | None = None, largest:
     pool = torch.nonzero(candidates).flatten()
     mask[pool[topk_indices(scores[pool], k, largest)]] = True
     return mask
-
-
-def gather_tokens(keep: Tensor, embeds: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-    """Keep tokens `keep` of embeds [n, D] together with positions [..., n] (1-D or 3-D M-RoPE)."""
-    return embeds[keep], positions[..., keep]
 
 
 def reconcile_count(keep: Tensor, scores: Tensor, target: int) -> Tensor:

@@ -27,13 +27,16 @@ LLM token grid and the anchors are kept (no pooling mask). See docs/methods/aot.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
 import torch.nn.functional as F
 
+from vtc.core.geometry import FamilyGeometry, default_geometry
 from vtc.core.hookspecs import hookimpl
 from vtc.core.registry import MethodInfo
+from vtc.core.tokens import dense_mix
 from vtc.core.vision_stats import VisionStat
 from vtc_kernels import reconcile_count, sinkhorn
 
@@ -43,11 +46,8 @@ SIGLIP_TOKENS = 729  # 27 x 27: the grid VISUAL_TOKEN_NUM counts on
 # the two LLaVA-OV-7B settings of scripts/eval_ov-7b.sh (VISUAL_TOKEN_NUM, KEEP_RATIO); both are the runs the
 # repo's logs and the paper's table label "10 %"
 SETTINGS = {"mvbench": (126, 0.3), "videomme": (108, 0.1)}
-NOMINAL_RETENTION = 0.10
-OFFICIAL_CLIP = 4  # 32 input frames -> clips of 4 (64 -> 8): F // 8
 # scripts/eval_vid-7b.sh (LLaVA-Video-7B, no inter-frame step): VISUAL_TOKEN_NUM 180, logged as "25 %"
 NO_INTER_POINT = (180, 0.25)
-PREPOOL_FAMILIES = ("llava_onevision", "llava_next_video")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
@@ -106,24 +106,6 @@ class AOTParams:
 # --- budgets ------------------------------------------------------------------------------------------------------
 
 
-def inter_factor(clip: int, keep_ratio: float) -> float:
-    """Tokens the inter-frame step emits per input token when every frame keeps as many (estimate): a clip of
-    s frames emits the anchor frame twice plus KEEP_RATIO of the s - 1 others."""
-    return 1.0 if clip <= 1 else (2.0 + keep_ratio * (clip - 1)) / clip
-
-
-def visual_token_num_for(retention: float, setting: str, keep_ratio: float, clip: int, inter: bool) -> int:
-    """VISUAL_TOKEN_NUM for a retention. With the inter-frame step, the official "10 %" point of `setting`
-    (126/0.3 or 108/0.1 at 32 frames) scales linearly with the retention and with the clip length's inter
-    factor; without it, eval_vid-7b.sh's point (180 at "25 %") scales linearly."""
-    if inter and clip > 1:
-        v10, k10 = SETTINGS[setting]
-        v = v10 * (retention / NOMINAL_RETENTION) * inter_factor(OFFICIAL_CLIP, k10) / inter_factor(clip, keep_ratio)
-    else:
-        v = NO_INTER_POINT[0] * retention / NO_INTER_POINT[1]
-    return int(min(SIGLIP_TOKENS, max(1, round(v))))
-
-
 def scaled_token_num(visual_token_num: int, h: int, w: int) -> int:
     """VISUAL_TOKEN_NUM (out of 729) on an h x w grid: the same fraction of its tokens."""
     return visual_token_num if h * w == SIGLIP_TOKENS else max(1, round(visual_token_num * h * w / SIGLIP_TOKENS))
@@ -160,6 +142,42 @@ def residual_count(n: int, keep_ratio: float) -> int:
 def clip_segments(num_frames: int, clip: int) -> list[tuple[int, int]]:
     """(first frame, length) of each clip: consecutive runs of `clip` frames (the last one may be shorter)."""
     return [(start, min(clip, num_frames - start)) for start in range(0, num_frames, clip)]
+
+
+def frame_count_for(v: int, h: int, w: int, prepool_grid: bool, global_ratio: float = 0.5, windows: int = 3) -> int:
+    """Tokens a frame keeps in fixed-count mode on an h x w token grid, for VISUAL_TOKEN_NUM v: on models that pool
+    a 27 x 27 patch grid (LLaVA) the anchors' share of that grid, else the anchors picked on the token grid."""
+    if prepool_grid:
+        if v >= SIGLIP_TOKENS:
+            return h * w
+        frac = anchors_on_grid(v, global_ratio, 27, 27, windows) / SIGLIP_TOKENS
+        return max(1, min(h * w, round(frac * h * w)))
+    vg = scaled_token_num(v, h, w)
+    return h * w if vg >= h * w else anchors_on_grid(vg, global_ratio, h, w, windows)
+
+
+@functools.lru_cache(maxsize=1024)
+def visual_token_num_for(
+    retention: float,
+    grid: tuple[int, int, int],
+    keep_ratio: float,
+    clip: int,
+    inter: bool,
+    prepool_grid: bool,
+    global_ratio: float = 0.5,
+    windows: int = 3,
+) -> int:
+    """VISUAL_TOKEN_NUM for a retention: the v (1..729) whose fixed-count total (`frame_count_for` per frame, then
+    the inter-frame step's clips) is closest to round(retention * T * H * W), the smaller v on ties. The adaptive
+    count then follows it up to the content-dependent pooled mask and residual quantile."""
+    t, h, w = grid
+    target = round(retention * t * h * w)
+
+    def miss(v: int) -> tuple[int, int]:
+        frame = frame_count_for(v, h, w, prepool_grid, global_ratio, windows)
+        return abs(fixed_total(frame, t, clip, keep_ratio, inter) - target), v
+
+    return min(range(1, SIGLIP_TOKENS + 1), key=miss)
 
 
 def fixed_total(frame_count: int, num_frames: int, clip: int, keep_ratio: float, inter: bool) -> int:
@@ -291,20 +309,6 @@ def intra_ot_merge(
     return IntraMerge(features, anchors, others, plan, nearest, count, load, nn_weight)
 
 
-def pool_mask(mask: Tensor, size: tuple[int, int], mode: str = "bilinear") -> Tensor:
-    """`get_2dPool_index` before its threshold: the float anchor mask [F, h, w] pooled like the features
-    ("bilinear" to `size`, or "average" / "max" with stride h // size[0]). Returns [F, size[0], size[1]]."""
-    m = mask.float()[:, None]
-    if mode == "bilinear":
-        out = F.interpolate(m, size=list(size), mode="bilinear")
-    elif mode in ("average", "max"):
-        stride = mask.shape[1] // size[0]
-        out = F.avg_pool2d(m, stride) if mode == "average" else F.max_pool2d(m, stride)
-    else:
-        raise ValueError(f"aot: cannot pool the anchor mask with mode {mode!r}")
-    return out[:, 0]
-
-
 # --- inter-frame: clip OT merge -----------------------------------------------------------------------------------
 
 
@@ -420,23 +424,13 @@ def temporal_merge(
 
 def _mix_extras(extras: dict[str, Tensor], rows: Tensor, self_coef: Tensor, src: Tensor, src_coef: Tensor):
     """Side features of merged tokens: self_coef[j] * E[rows[j]] + sum_i src_coef[j, i] * E[src[i]]."""
-    out = {}
-    for name, e in extras.items():
-        flat = e.reshape(e.shape[0], -1).float()
-        mixed = self_coef[:, None].float() * flat[rows] + src_coef.float() @ flat[src]
-        out[name] = mixed.to(e.dtype).reshape(len(rows), *e.shape[1:])
-    return out
+    return {name: dense_mix(e, rows, self_coef, src, src_coef) for name, e in extras.items()}
 
 
 class AOT:
-    needs_prepool = True
-
     def __init__(self, params: AOTParams, retention: float | None = None) -> None:
         self.params = params
         self.retention = retention
-        self.family: str | None = None  # set when vtc asks for the vision statistics (install)
-        self.last_kept: list[int] = []  # tokens kept per video at the last forward
-        self.last_budget: tuple[int, float, int, bool] | None = None  # (V, KEEP_RATIO, clip, inter) last used
 
     # --- configuration ---------------------------------------------------------------------------------------
     @property
@@ -445,58 +439,60 @@ class AOT:
         explicit = p.visual_token_num is not None or p.keep_ratio is not None
         return self.retention is not None and self.retention >= 1.0 and not explicit
 
-    def _inter(self, family: str | None) -> bool:
+    def _inter(self, geometry: FamilyGeometry) -> bool:
         if self.params.inter_compress is not None:
             return bool(self.params.inter_compress)
-        return family != "llava_next_video"
+        return not geometry.pool_before_projector  # eval_vid-7b.sh runs LLaVA-NeXT-style models without it
 
     def _clip(self, num_frames: int) -> int:
         return int(self.params.clip_frames) if self.params.clip_frames is not None else max(1, num_frames // 8)
 
-    def budget(self, num_frames: int, family: str | None) -> tuple[int, float, int, bool]:
-        """(VISUAL_TOKEN_NUM, KEEP_RATIO, clip length, inter step on) for a video of `num_frames` frames."""
+    def budget(self, grid: tuple[int, int, int], family: str) -> tuple[int, float, int, bool]:
+        """(VISUAL_TOKEN_NUM, KEEP_RATIO, clip length, inter step on) for a video with token grid `grid`."""
         p = self.params
-        inter = self._inter(family)
-        clip = self._clip(num_frames)
+        geometry = default_geometry(family)
+        inter = self._inter(geometry)
+        t = int(grid[0])
+        clip = self._clip(t)
         keep = float(p.keep_ratio) if p.keep_ratio is not None else SETTINGS[p.setting][1]
         if p.visual_token_num is not None:
             v = int(p.visual_token_num)
         elif self.retention is not None:
-            v = visual_token_num_for(self.retention, p.setting, keep, clip, inter)
+            v = visual_token_num_for(
+                float(self.retention),
+                tuple(int(x) for x in grid),
+                keep,
+                clip,
+                inter,
+                geometry.has_prepool_grid,
+                float(p.global_ratio),
+                int(p.windows),
+            )
         else:
             v = SETTINGS[p.setting][0] if inter and clip > 1 else NO_INTER_POINT[0]
         return v, keep, clip, inter
 
     def vision_stats(self, family):
-        self.family = family
         return [VisionStat("received", self.params.shallow_layer), VisionStat("received", self.params.deep_layer)]
 
-    def frame_count(self, v: int, h: int, w: int, family: str | None) -> int:
+    def frame_count(self, v: int, h: int, w: int, family: str) -> int:
         """Tokens per frame in fixed-count mode on a token grid h x w."""
         p = self.params
-        if family in PREPOOL_FAMILIES or family is None:
-            if v >= SIGLIP_TOKENS:
-                return h * w
-            frac = anchors_on_grid(v, p.global_ratio, 27, 27, p.windows) / SIGLIP_TOKENS
-            return max(1, min(h * w, round(frac * h * w)))
-        vg = scaled_token_num(v, h, w)
-        return h * w if vg >= h * w else anchors_on_grid(vg, p.global_ratio, h, w, p.windows)
+        prepool = default_geometry(family).has_prepool_grid
+        return frame_count_for(v, h, w, prepool, float(p.global_ratio), int(p.windows))
 
-    def retained_count(self, num_tokens: int, grid) -> int | None:
+    def retained_count(self, num_tokens: int, grid, family: str) -> int | None:
         if self.keeps_everything:
             return num_tokens
         if not self.params.fixed_count:
             return None  # the pooled mask and the residual quantile depend on the content
         t, h, w = grid
-        v, keep, clip, inter = self.budget(t, self.family)
-        return fixed_total(self.frame_count(v, h, w, self.family), t, clip, keep, inter)
+        if num_tokens != t * h * w:
+            return None  # an earlier plugin thinned the frames: frames may have fewer tokens than their quota
+        v, keep, clip, inter = self.budget(grid, family)
+        return fixed_total(self.frame_count(v, h, w, family), t, clip, keep, inter)
 
     # --- connect -----------------------------------------------------------------------------------------------
-    def _record(self, ctx, kept: int) -> None:
-        if ctx.video_index == 0:  # the first video of a new forward
-            self.last_kept = []
-        self.last_kept.append(kept)
-
     def _dtype(self, x: Tensor) -> torch.dtype:
         return DTYPES[self.params.compute_dtype] if self.params.compute_dtype is not None else x.dtype
 
@@ -507,8 +503,8 @@ class AOT:
             deep = ctx.vision[VisionStat("received", p.deep_layer)]
         except KeyError:
             raise RuntimeError("aot: the vision-tower attention statistics were not captured") from None
-        if shallow.shape[-1] == length + 1:  # CLIP towers: drop the CLS column
-            shallow, deep = shallow[:, 1:], deep[:, 1:]
+        cls = ctx.geometry.cls_tokens if ctx.geometry.has_prepool_grid else 0
+        shallow, deep = shallow[:, cls:], deep[:, cls:]  # CLIP towers: drop the CLS column
         if shallow.shape[-1] != length:
             raise RuntimeError(f"aot: attention maps have {shallow.shape[-1]} tokens per frame, expected {length}")
         return shallow.float(), deep.float()
@@ -517,11 +513,10 @@ class AOT:
     def vtc_connect(self, tokens, ctx):
         n = len(tokens)
         if self.keeps_everything or n == 0:
-            self._record(ctx, n)
             return tokens
         t, h, w = tokens.grid
-        v, keep, clip, inter = self.budget(t, ctx.family)
-        self.last_budget = (v, keep, clip, inter)
+        v, keep, clip, inter = self.budget(tokens.grid, ctx.family)
+        ctx.report(budget=(v, keep, clip, inter))  # (VISUAL_TOKEN_NUM, KEEP_RATIO, clip, inter step)
         fixed = self.params.fixed_count
         k_fixed = self.frame_count(v, h, w, ctx.family) if fixed else None
         if ctx.prepool is not None and ctx.pool is not None:
@@ -530,7 +525,6 @@ class AOT:
             out = self._intra_tokens(tokens, ctx, v, k_fixed)
         if inter and clip > 1:
             out = self._inter_step(out, clip, keep, fixed)
-        self._record(ctx, len(out))
         return out
 
     def _intra_prepool(self, tokens, ctx, v: int, k_fixed: int | None):
@@ -557,21 +551,15 @@ class AOT:
         pooled = ctx.pool(features.reshape(frames, ph, pw, dim))
         if tuple(pooled.shape[1:3]) != (h, w) or pooled.shape[0] != t:
             raise RuntimeError(f"aot: pooled grid {tuple(pooled.shape[:3])} does not match the tokens' {tokens.grid}")
-        mode = "bilinear"
-        if ctx.family == "llava_next_video":
-            mode = getattr(getattr(ctx.model, "config", None), "spatial_pool_mode", "average")
-            mode = mode if mode in ("average", "max") else "average"
-        value = pool_mask(mask.view(frames, ph, pw), (h, w), mode).reshape(t, h * w)
+        # `get_2dPool_index`: the float anchor mask pooled like the features, then the threshold
+        value = ctx.geometry.pool_grid(mask.float().view(frames, ph, pw), (h, w))
         cells = value >= 0.5
         if k_fixed is not None:  # exact count per frame: pooled mask value, then pooled deep attention
-            tie = pool_mask(deep.view(frames, ph, pw), (h, w), mode).reshape(t, h * w).double()
+            tie = ctx.geometry.pool_grid(deep.view(frames, ph, pw), (h, w)).double()
             tie = tie / tie.amax(dim=1, keepdim=True).clamp_min(1e-30)
             score = value.double() + 1e-6 * tie
             cells = torch.stack([reconcile_count(cells[f], score[f], k_fixed) for f in range(t)])
-        lookup = torch.full((t * h * w,), -1, dtype=torch.long, device=tokens.embeds.device)
-        lookup[(tokens.frame * h * w + tokens.patch).to(lookup.device)] = torch.arange(
-            len(tokens), device=lookup.device
-        )
+        lookup = tokens.grid_index().flatten()
         flat = torch.nonzero(cells.flatten()).flatten().to(lookup.device)
         idx = lookup[flat]
         present = idx >= 0
@@ -592,13 +580,11 @@ class AOT:
         device = tokens.embeds.device
         shallow, deep = shallow.to(device), deep.to(device)
         frame, patch = tokens.frame.to(device), tokens.patch.to(device)
-        full = len(tokens) == t * length and bool(
-            (frame * length + patch == torch.arange(t * length, device=device)).all()
-        )
+        full = tokens.is_full_grid
         if full:  # every frame complete: one batched merge, as the official batch over frames
             groups = [torch.arange(t * length, device=device).view(t, length)]
         else:  # an earlier plugin thinned the video: frame by frame on the tokens present
-            groups = [torch.nonzero(frame == f).flatten()[None] for f in torch.unique(frame).tolist()]
+            groups = [idx[None] for idx in tokens.frame_groups("index")]
         coords = grid_coords(h, w, dtype=self._dtype(tokens.embeds), device=device)
         parts = []
         for members in groups:
@@ -685,7 +671,7 @@ class AOT:
                 merged_slots.append((position, c, anchor_rows))
                 position += len(anchor_rows)
         rows = torch.cat(order) if order else torch.zeros(0, dtype=torch.long, device=device)
-        out = tokens.select(rows)
+        out = tokens.select(rows, allow_repeats=True)  # the anchor frame leads its clip and ends it, merged
         if not merged_slots:
             return out
         embeds = out.embeds.clone()
@@ -726,5 +712,17 @@ def vtc_register_methods(registry):
             summary="attention anchors per frame + Sinkhorn OT merge, then inter-frame OT merge within clips",
             fixed_count=True,
             position_policy="compact",
+            vision_stats=True,
+            prepool=True,
+            retention_note="retention picks VISUAL_TOKEN_NUM so the fixed-count total is round(r N), within one "
+            "anchor per 3 x 3 window and frame; adaptive runs follow it up to the content-dependent pooled anchor "
+            "mask (LLaVA) and residual quantile",
+            retention_granularity=9,  # anchors come one per window of the 3 x 3 layout at a time
+            conformance_exemptions={
+                "retention": "adaptive count: on LLaVA the pooled anchor mask (>= 0.5) depends on where the anchors "
+                "fall; fixed_count=True is checked instead",
+                "ordered_positions": "official per-clip order: anchor frame, residuals, merged anchors",
+            },
+            test_params={"shallow_layer": 1},
         )
     )

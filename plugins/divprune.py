@@ -99,7 +99,7 @@ class DivPrune:
         else:
             self.ratio = retention if retention is not None else DEFAULT_RATIO
 
-    def retained_count(self, num_tokens: int, grid) -> int:
+    def retained_count(self, num_tokens: int, grid, family: str) -> int:
         if num_tokens == 0:
             return 0
         return kept_count(num_tokens, self.ratio)
@@ -107,7 +107,7 @@ class DivPrune:
     @hookimpl
     def vtc_connect(self, tokens, ctx):
         n = len(tokens)
-        count = self.retained_count(n, tokens.grid)
+        count = self.retained_count(n, tokens.grid, ctx.family)
         if count >= n:
             return tokens
         embeds = tokens.embeds

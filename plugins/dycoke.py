@@ -10,27 +10,35 @@ attention of the new token at layer L-1 over the video tokens is compared (cosin
 when it changed (< 0.9) layers >= L attend only to the top (1 - P) video tokens for this step.
 Stages: connect (TTM) + prefill hook acting during decoding (KV pruning; prefill itself is never pruned).
 
-Faithful to the official code (defaults of the lmms-eval wrapper: k = 0.7, L = 3, P = 0.8): kept tokens of a
-reduced frame in ascending-similarity order (not spatial), pair p ranked by pair p-1's similarity
-(`similarities[(i - 2) // 2]`, pair 0 by the last pair), the second pass's loop bound F - 4 (the last group of
-four is left alone), an odd last frame left out, the image span one token short of the TTM output
+Faithful to the official code at its latest commit (35cc532, "Update ttm code"; defaults of the lmms-eval
+wrapper: k = 0.7, L = 3, P = 0.8): each pair ranked by its own similarity (`similarities[i // 2]`), kept tokens
+of a reduced frame in ascending-similarity order (not spatial), the second pass's loop bound F - 4 (the last
+group of four is left alone), an odd last frame left out, the image span one token short of the TTM output
 (`image_token_length = len - 1`), the decode-time softmax in the model dtype, a full cache on steps whose
-attention is stable (the pruned set is never reused). vtc differences: the previous step's attention is reset
-at every prefill (the official code carries it over from the previous sample); batches (the official code is
-batch 1); fewer than 2 frames, or fewer than 5, work (the official code crashes); frames an earlier plugin
-thinned are aligned by spatial patch. Retention r maps to k = 1 - r (how the VidCom2 tables label DyCoke);
+attention is stable (the pruned set is never reused). The first commit (26dc6f4) ranked pair p by pair p-1's
+similarity; `shifted_pairs=True` reproduces that superseded rule. vtc differences: the previous step's
+attention is reset at every prefill (the official code carries it over from the previous sample); batches (the
+official code is batch 1); fewer than 2 frames, or fewer than 5, work (the official code crashes); frames an
+earlier plugin thinned are aligned by spatial patch.
+
+Retention r sets the prompt's visual tokens: TTM keeps round(r N) of a video's N tokens (within one token per
+reduced frame) by choosing how many tokens each reduced frame keeps; `k` (the paper's merging ratio) overrides
+it. TTM never reduces frames 0, 4, 8, ... (nor the first frame of the last group of four), so it cannot go
+below their share (1/4 and more; 1/2 for a 4-frame grid): a lower retention keeps that floor, with a warning.
 r = 1 turns both stages off.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import torch
 import torch.nn.functional as F
 
 from vtc.core.hookspecs import hookimpl
 from vtc.core.registry import MethodInfo
+from vtc_kernels import frame_cosine
 
 Tensor = torch.Tensor
 
@@ -44,7 +52,7 @@ class DyCokeParams:
     layer: int = 3  # dycoke_l (L): decode steps prune the KV cache of layers >= L, ranked by layer L-1's attention
     p: float | None = None  # dycoke_p (P, `dycoke_radio`): fraction of video tokens hidden at a decode step (0.8)
     threshold: float = 0.9  # `config.similarity < 0.9`: prune when the step-to-step attention cosine is below it
-    shifted_pairs: bool = True  # official `similarities[(i - 2) // 2]`: pair p ranked by pair p-1 (pair 0: last)
+    shifted_pairs: bool = False  # superseded first-commit rule `similarities[(i - 2) // 2]`: pair p ranked by pair p-1
     drop_unpaired_frame: bool = True  # official `range(0, F - 1, 2)`: with an odd frame count the last frame is lost
     exclude_last_token: bool = True  # official `image_token_length = len(ttm) - 1`: last video token never pruned
 
@@ -64,29 +72,56 @@ class DyCokeParams:
 # --- temporal token merging -----------------------------------------------------------------------------------
 
 
+def ttm_roles(num_frames: int, drop_unpaired_frame: bool = True) -> list[str]:
+    """What TTM does to each frame of a video: "full" (kept whole), "reduced" (keeps int((1 - k) n) tokens) or
+    "dropped" (an odd last frame, left out by the official pair loop)."""
+    roles = ["full"] * num_frames
+    if num_frames < 2:
+        return roles
+    for f in range(1, num_frames - num_frames % 2, 2):
+        roles[f] = "reduced"
+    if num_frames % 2 and drop_unpaired_frame:
+        roles[-1] = "dropped"
+    for i in range(0, num_frames - 4, 4):
+        roles[i + 2] = "reduced"
+    return roles
+
+
+def merging_ratio_for(
+    retention: float, num_frames: int, tokens_per_frame: int, drop_unpaired_frame: bool = True
+) -> tuple[float, bool]:
+    """The k that makes TTM keep round(retention * T * n) tokens of a full T x n grid, within one token per reduced
+    frame, and whether that count is reachable (False: below the floor of the never-reduced frames, so k = 1,
+    reduced frames emptied). k is placed half a token inside its step so int((1 - k) n) is exactly the count
+    chosen."""
+    roles = ttm_roles(num_frames, drop_unpaired_frame)
+    full, reduced = roles.count("full"), roles.count("reduced")
+    if reduced == 0:
+        return 0.0, retention >= full / max(num_frames, 1)
+    target = round(retention * num_frames * tokens_per_frame)
+    per_frame = round((target - full * tokens_per_frame) / reduced)
+    reachable = per_frame >= 0
+    per_frame = max(0, min(tokens_per_frame, per_frame))
+    if per_frame >= tokens_per_frame:
+        return 0.0, True
+    return 1.0 - (per_frame + 0.5) / tokens_per_frame, reachable
+
+
 def ttm_frame_counts(num_frames: int, tokens_per_frame: int, k: float, drop_unpaired_frame: bool = True) -> list[int]:
     """Tokens TTM keeps of each frame of a full grid (F frames of N tokens), as the official loops decide."""
     n = tokens_per_frame
-    counts = [n] * num_frames
     if k <= 0.0 or num_frames < 2:
-        return counts
+        return [n] * num_frames
     reduced = int((1.0 - k) * n)  # official: merging_ratio = 1 - merging_ratio; int(merging_ratio * N)
-    for f in range(1, num_frames - num_frames % 2, 2):
-        counts[f] = reduced
-    if num_frames % 2 and drop_unpaired_frame:
-        counts[-1] = 0
-    for i in range(0, num_frames - 4, 4):
-        counts[i + 2] = reduced
-    return counts
+    size = {"full": n, "reduced": reduced, "dropped": 0}
+    return [size[role] for role in ttm_roles(num_frames, drop_unpaired_frame)]
 
 
 def _pair_similarity(a: Tensor, b: Tensor, pa: Tensor, pb: Tensor, normalize: bool) -> Tensor:
     """Cosine between two frames at each spatial patch: a, b [N, D], presence pa, pb [N]. The official first
     pass L2-normalises before `cosine_similarity`, the second does not (kept for bit-faithfulness). A patch
     only the second frame has ranks as least similar (-inf); one it lacks can never be kept (+inf)."""
-    if normalize:
-        a, b = F.normalize(a, p=2, dim=1), F.normalize(b, p=2, dim=1)
-    sim = F.cosine_similarity(a, b, dim=1)
+    sim = frame_cosine(a, b, normalize="eps" if normalize else "none", formula="torch")
     sim = sim.masked_fill(pb & ~pa, float("-inf"))
     return sim.masked_fill(~pb, float("inf"))
 
@@ -95,7 +130,7 @@ def ttm_keep(
     x: Tensor,
     k: float,
     present: Tensor | None = None,
-    shifted_pairs: bool = True,
+    shifted_pairs: bool = False,
     drop_unpaired_frame: bool = True,
 ) -> list[Tensor]:
     """DyCoke's TTM on one video. x [F, N, D] (frames x patches), present [F, N] bool (None: full grid).
@@ -125,7 +160,8 @@ def ttm_keep(
         for p in range(pairs)
     ]
     for p in range(pairs):
-        # official `similarities[(i - 2) // 2]` with i = 2p: pair p - 1, and Python's -1 (the last pair) for p = 0
+        # official (latest) `similarities[i // 2]` with i = 2p: the pair's own; the first commit's `(i - 2) // 2`
+        # took pair p - 1, and Python's -1 (the last pair) for p = 0
         ranking = sims[(p - 1) % pairs] if shifted_pairs else sims[p]
         out[2 * p + 1] = least_similar(ranking, 2 * p + 1)
     if num_frames % 2 and drop_unpaired_frame:
@@ -143,7 +179,7 @@ def ttm_select(
     patch: Tensor,
     tokens_per_frame: int,
     k: float,
-    shifted_pairs: bool = True,
+    shifted_pairs: bool = False,
     drop_unpaired_frame: bool = True,
 ) -> Tensor:
     """TTM on a video's token list: embeds [n, D], frame [n], patch [n] (row * W + col). Frames are the distinct
@@ -220,50 +256,64 @@ class DecodeStep:
 
 
 class DyCoke:
-    acts_during_decode = True
-
     def __init__(self, params: DyCokeParams, retention: float | None = None) -> None:
         self.params = params
+        self.retention = retention if params.k is None else None  # an explicit k wins over the retention
         if params.k is not None:
-            self.k = float(params.k)
+            self.k: float | None = float(params.k)
+        elif retention is None:
+            self.k = DEFAULT_K
         else:
-            self.k = 1.0 - retention if retention is not None else DEFAULT_K
+            self.k = 0.0 if retention >= 1.0 else None  # None: chosen per video from the retention
         if params.p is not None:
             self.p = float(params.p)
         else:
             self.p = 0.0 if (retention is not None and retention >= 1.0) else DEFAULT_P
-        self.last_kept: list[int] = []  # TTM count per video of the last forward
-        self.previous: dict[int, Tensor] = {}  # batch row -> last decode step's image attention
-        self.steps: list[DecodeStep] = []  # decode steps since the last prefill
-        self._sealed = True  # a prefill ran since the last connect call: the next connect starts a new forward
+        self._warned: set[int] = set()
 
-    def retained_count(self, num_tokens: int, grid) -> int | None:
-        if self.k <= 0.0:
-            return num_tokens
+    def merging_ratio(self, num_frames: int, tokens_per_frame: int) -> float:
+        """k for a video of `num_frames` frames of `tokens_per_frame` tokens (the parameter, or from the retention)."""
+        if self.k is not None:
+            return self.k
+        k, reachable = merging_ratio_for(self.retention, num_frames, tokens_per_frame, self.params.drop_unpaired_frame)
+        if not reachable and num_frames not in self._warned:
+            self._warned.add(num_frames)
+            floor = sum(ttm_frame_counts(num_frames, tokens_per_frame, 1.0, self.params.drop_unpaired_frame))
+            warnings.warn(
+                f"dycoke: retention {self.retention:.3g} is below what TTM can keep of a {num_frames}-frame video "
+                f"(it never reduces frames 0, 4, 8, ...): keeping {floor} of {num_frames * tokens_per_frame} tokens "
+                f"({floor / (num_frames * tokens_per_frame):.1%}); use more frames or another method for fewer",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return k
+
+    def retained_count(self, num_tokens: int, grid, family: str) -> int | None:
         t, h, w = (int(v) for v in grid)
+        k = self.merging_ratio(t, h * w)
+        if k <= 0.0:
+            return num_tokens
         if num_tokens != t * h * w:
             return None  # an earlier plugin thinned the frames: the count depends on which tokens are left
-        return sum(ttm_frame_counts(t, h * w, self.k, self.params.drop_unpaired_frame))
+        return sum(ttm_frame_counts(t, h * w, k, self.params.drop_unpaired_frame))
 
     @hookimpl
     def vtc_connect(self, tokens, ctx):
-        if self._sealed:
-            self.last_kept, self._sealed = [], False
         n = len(tokens)
-        if self.k <= 0.0 or n == 0:
-            self.last_kept.append(n)
-            return tokens
         t, h, w = tokens.grid
+        k = self.merging_ratio(int(t), int(h) * int(w))
+        ctx.report(merging_ratio=k)
+        if k <= 0.0 or n == 0:
+            return tokens
         keep = ttm_select(
             tokens.embeds,
             tokens.frame,
             tokens.patch,
             int(h) * int(w),
-            self.k,
+            k,
             self.params.shifted_pairs,
             self.params.drop_unpaired_frame,
         )
-        self.last_kept.append(int(keep.numel()))
         if keep.numel() == n and bool((keep == torch.arange(n, device=keep.device)).all()):
             return tokens
         return tokens.select(keep)
@@ -271,8 +321,6 @@ class DyCoke:
     @hookimpl
     def vtc_prefill(self, state, ctx):
         if state.phase == "prefill":
-            if state.layer == 0 and state.point == "layer_start":
-                self.previous, self.steps, self._sealed = {}, [], True
             return
         if self.p <= 0.0 or state.point != "layer_start" or state.hidden.shape[1] != 1:
             return  # the official pruning acts only on one-token decode steps (`position_ids.shape[1] == 1`)
@@ -283,9 +331,10 @@ class DyCoke:
             # the official SDPA/FA2 classes return softmax(q k^T / sqrt(d)) computed in the model dtype
             state.request_attention(num_rows=1, upcast=False)
         elif state.layer == layer:
-            self._prune(state, layer)
+            self._prune(state, ctx, layer)
 
-    def _prune(self, state, layer: int) -> None:
+    def _prune(self, state, ctx, layer: int) -> None:
+        previous = ctx.store.setdefault("previous", {})  # batch row -> the last decode step's image attention
         seen = state.prefill_layout(layer - 1)  # slots of layer L-1's cache, whose attention decides
         target = state.prefill_layout(layer)  # slots of layer L's cache, where keys get hidden
         scores = state.attention(layer - 1).mean(dim=1)[:, -1]  # [B, keys]: head mean, the new token's row
@@ -300,8 +349,8 @@ class DyCoke:
                 step.kept.append(None)
                 continue
             current = scores[b, slots.to(scores.device)]
-            kept, similarity = kv_prune(current, self.previous.get(b), self.p, self.params.threshold)
-            self.previous[b] = current
+            kept, similarity = kv_prune(current, previous.get(b), self.p, self.params.threshold)
+            previous[b] = current
             step.similarity.append(similarity)
             step.kept.append(None if kept is None else int(kept.numel()))
             if kept is None:
@@ -312,7 +361,7 @@ class DyCoke:
             candidates = target.visual[b] & target.valid[b]
             visible[b] &= ~(candidates & torch.isin(target.index[b], hidden_tokens.to(target.index.device)))
             pruned = True
-        self.steps.append(step)
+        ctx.report(decode_steps=step)
         if pruned:
             state.mask_keys(visible)
 
@@ -331,5 +380,11 @@ def vtc_register_methods(registry):
             fixed_count=True,
             position_policy="compact",
             query_aware=True,
+            acts_during_decode=True,
+            retention_note="retention sets the prompt's count; TTM never reduces frames 0, 4, 8, ..., so below "
+            "their share (1/4 and more, 1/2 of a 4-frame grid) the floor is kept, with a warning",
+            conformance_exemptions={
+                "ordered_positions": "official order: a reduced frame's tokens by ascending similarity, not space"
+            },
         )
     )

@@ -54,7 +54,8 @@ class FastV:
         else:
             self.ratio = 1.0 - retention if retention is not None else 0.5
 
-    def retained_count(self, num_tokens: int, grid) -> int:
+    def retained_count(self, num_tokens: int, grid, family: str) -> int:
+        """Visual tokens at the last layer (every layer from K on keeps them; layers < K see all)."""
         return kept_count(num_tokens, self.ratio)
 
     @hookimpl
@@ -83,7 +84,8 @@ def vtc_register_methods(registry):
             paper="An Image is Worth 1/2 Tokens After Layer 2 (ECCV 2024)",
             url="https://arxiv.org/abs/2403.06764",
             summary="drop low-attention visual tokens after layer K (last-token attention)",
-            fixed_count=False,
+            fixed_count=True,
+            retention_reference="last_layer",
             owns=frozenset({"llm_token_schedule"}),
             query_aware=True,
         )

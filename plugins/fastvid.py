@@ -1,8 +1,8 @@
 """FastVID: "FastVID: Dynamic Density Pruning for Fast Video Large Language Models" (Shen et al., NeurIPS 2025).
 arXiv: https://arxiv.org/abs/2503.11187. Official code: LunarShen/FastVID (LLaVA-OneVision:
 `fastvid_llavaonevision/LLaVA-NeXT/llava/model/language_model/modeling_qwen2.py`, `llava/model/llava_arch.py`,
-`llava/model/multimodal_encoder/siglip_encoder.py`; Qwen2.5-VL:
-`fastvid_qwen25vl/lmms-eval/lmms_eval/models/qwenvlutils/modeling_qwen2_5_vl.py`).
+`llava/model/multimodal_encoder/siglip_encoder.py`; LLaVA-Video: the same files under `fastvid_llavavideo/`;
+Qwen2.5-VL: `fastvid_qwen25vl/lmms-eval/lmms_eval/models/qwenvlutils/modeling_qwen2_5_vl.py`).
 
 DySeg cuts the video where consecutive frame-level features differ most (the c-1 lowest similarities, plus every
 similarity below tau). STPrune then keeps, per frame, the most salient tokens (ATS: vision-attention top-k) and
@@ -11,34 +11,47 @@ end); every other token of the segment is merged into its most cosine-similar an
 `anchor <- w anchor + (1 - w) mean(assigned)`, `w = max(1 / (count + 1), beta)`. Positions are kept.
 Stage: connect (the official code runs inside the LLM forward, before layer 0, on the input embeddings).
 
-Two official versions, both implemented: the LLaVA-OneVision parallel version (fixed salient / context split
-per frame, anchors merge the non-salient tokens of their segment) for the LLaVA families, and the Qwen2.5-VL
-version (budgets per segment, sub-segments cut at similarity < DySeg_ignore, per-frame caps, merging every
-non-retained token of the segment) for the Qwen families. HF LLaVA towers have no SigLIP MAP head, so on LLaVA
-the salience is the last layer's mean received attention (bilinearly resized to 14x14 like the official MAP
-probe attention; LLaVA-NeXT-Video: the CLS row, head-mean, 2x2-averaged) and the frame feature is the mean of
-the frame's tokens (as the Qwen2.5-VL version computes it). Adaptive count by default; `fixed_count=True`
-keeps exactly sum over frames of int(n r), topped up / trimmed by salience.
+Three official versions, all implemented: the LLaVA-OneVision parallel version (fixed salient / context split
+per frame, anchors merge the non-salient tokens of their segment; `version="llava"`, the default on the LLaVA
+families), the LLaVA-Video sequential version (segment budgets spread over every frame of the segment, merging
+every non-retained token of the segment; `version="llava_video"`, chosen by hand: LLaVA-Video checkpoints load
+in the LLaVA-OneVision HF class) and the Qwen2.5-VL version (as LLaVA-Video, plus sub-segments cut at
+similarity < DySeg_ignore and per-frame caps; the default on the Qwen families).
+
+Salience and frame feature. The official LLaVA code reads both from SigLIP's attention-pooling (MAP) head, which
+HF builds LLaVA-OneVision's tower without (`vision_use_head=False`). With `head="google/siglip-so400m-patch14-384"`
+(or a local SigLIP checkpoint) vtc loads that head and its `post_layernorm` from the checkpoint, as the official
+`SigLipVisionAbstract` does, and runs them on the tower output the projector receives (the vision statistic
+`VisionStat("features", -1)`): the probe's head-averaged attention over the 27 x 27 patches, pooled to the token
+grid like the features, is the salience; the pooled output (after the MLP residual) is the frame feature.
+Without `head` (the fallback) the salience is the last layer's mean received attention (resized the same way;
+LLaVA-NeXT-Video: the CLS row, head-mean, 2x2-averaged) and the frame feature is the mean of the frame's tokens
+(as the Qwen2.5-VL version computes it). Adaptive count by default; `fixed_count=True` keeps exactly sum over
+frames of int(n r), topped up / trimmed by salience.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 
+from vtc.core.geometry import FamilyGeometry, default_geometry
 from vtc.core.hookspecs import hookimpl
 from vtc.core.registry import MethodInfo
 from vtc.core.vision_stats import VisionStat
-from vtc_kernels import dpc_knn_scores, reconcile_count
+from vtc_kernels import adjacent_frame_similarity, dpc_knn_scores, reconcile_count
 
 Tensor = torch.Tensor
 
-VERSIONS = ("auto", "llava", "qwen2_5_vl")
+VERSIONS = ("auto", "llava", "llava_video", "qwen2_5_vl")
 # official script defaults per version: retention_ratio r and DySeg_tau
-DEFAULT_RATIO = {"llava": 0.10, "qwen2_5_vl": 0.27}
-DEFAULT_TAU = {"llava": 0.9, "qwen2_5_vl": 0.84}
+DEFAULT_RATIO = {"llava": 0.10, "llava_video": 0.10, "qwen2_5_vl": 0.27}
+DEFAULT_TAU = {"llava": 0.9, "llava_video": 0.9, "qwen2_5_vl": 0.84}
+# the tower output SigLIP's MAP head reads: the feature layer's hidden states, what the projector receives
+FEATURES_KIND = "features"
+HEAD_FAMILIES = "llava_onevision (LLaVA-OneVision and LLaVA-Video checkpoints: SigLIP towers without a CLS token)"
 
 
 @dataclasses.dataclass
@@ -51,8 +64,9 @@ class FastVIDParams:
     dtm_p: int = 4  # p (DTM_p): anchor frames every p frames of a segment, from its end
     dtm_beta: float = 0.6  # beta (DTM_beta): lower bound of the anchor's weight in the merge
     knn: int = 4  # k of the DPC-kNN density (hard-coded 4 in the official code)
-    version: str = "auto"  # "llava" (LLaVA-OV parallel), "qwen2_5_vl", or "auto" (LLaVA families / Qwen families)
+    version: str = "auto"  # "llava" (LLaVA-OV parallel), "llava_video", "qwen2_5_vl"; "auto": llava / qwen2_5_vl
     fixed_count: bool = False  # keep exactly sum_f int(n_f r) tokens, reconciled by salience (serving)
+    head: str | None = None  # SigLIP checkpoint (hub name or path) whose MAP head gives salience + frame feature
 
     def __post_init__(self):
         if self.retention_ratio is not None and not 0.0 < float(self.retention_ratio) <= 1.0:
@@ -73,6 +87,8 @@ class FastVIDParams:
             raise ValueError(f"fastvid: knn must be >= 1, got {self.knn}")
         if self.version not in VERSIONS:
             raise ValueError(f"fastvid: version must be one of {', '.join(VERSIONS)}, got {self.version!r}")
+        if self.head is not None and (not isinstance(self.head, str) or not self.head.strip()):
+            raise ValueError(f"fastvid: head must be a SigLIP checkpoint name or path, got {self.head!r}")
 
 
 # --- DySeg --------------------------------------------------------------------------------------------------------
@@ -85,7 +101,7 @@ def normalize_rows(x: Tensor) -> Tensor:
 
 def adjacent_similarity(normalized: Tensor) -> Tensor:
     """Cosine similarity of consecutive rows of L2-normalised features [F, D] -> [F - 1]."""
-    return (normalized[:-1] * normalized[1:]).sum(dim=1)
+    return adjacent_frame_similarity(normalized, formula="dot")
 
 
 def sizes_from_cuts(cuts: list[int], length: int) -> list[int]:
@@ -131,6 +147,41 @@ def llava_anchor_quotas(sizes: list[int], context: list[int], p: int) -> list[in
     return quotas
 
 
+def spread(total: int, count: int) -> list[int]:
+    """`total` split over `count` slots as evenly as possible, the remainder to the first slots."""
+    return [total // count + (1 if i < total % count else 0) for i in range(count)]
+
+
+def every_pth_from_end(amounts: list[int], count: int, p: int) -> list[int]:
+    """`amounts` (one per holder) placed on slots count-1, count-1-p, ... (the first amount on the last slot),
+    0 elsewhere: the official loop fills slots 0, p, 2p, ... in order, then reverses the list."""
+    out, j = [], 0
+    for i in range(count):
+        if i % p == 0:
+            out.append(amounts[j])
+            j += 1
+        else:
+            out.append(0)
+    out.reverse()
+    return out
+
+
+def llava_video_segment_quotas(retain: list[int], d: float, p: int) -> tuple[list[int], list[int]]:
+    """(salient, context) per frame of one segment in the LLaVA-Video version.
+
+    retain: int(n_f r) per frame. seg_ctx = int(sum(retain) d) (no floor of 1), seg_sal = sum(retain) - seg_ctx.
+    One frame: (seg_sal, seg_ctx). Several: the salient quota spread evenly over every frame (remainder first),
+    the context quota over the frames l-1, l-1-p, ... (ceil(l / p) of them, remainder to the last); no caps."""
+    seg_retain = sum(retain)
+    seg_ctx = int(seg_retain * d)
+    seg_sal = seg_retain - seg_ctx
+    length = len(retain)
+    if length == 1:
+        return [seg_sal], [seg_ctx]
+    holders = (length + p - 1) // p
+    return spread(seg_sal, length), every_pth_from_end(spread(seg_ctx, holders), length, p)
+
+
 def qwen25_segment_quotas(
     retain: list[int], frame_tokens: list[int], sub_sizes: list[int], d: float, p: int
 ) -> tuple[list[int], list[int]]:
@@ -147,17 +198,8 @@ def qwen25_segment_quotas(
     if len(retain) == 1:
         return [max(seg_sal, 0)], [seg_ctx]
     count = len(sub_sizes)
-    sal_sub = [seg_sal // count + (1 if i < seg_sal % count else 0) for i in range(count)]
-    holders = (count + p - 1) // p
-    ctx_hold = [seg_ctx // holders + (1 if j < seg_ctx % holders else 0) for j in range(holders)]
-    ctx_sub, j = [], 0
-    for i in range(count):
-        if i % p == 0:
-            ctx_sub.append(ctx_hold[j])
-            j += 1
-        else:
-            ctx_sub.append(0)
-    ctx_sub.reverse()
+    sal_sub = spread(seg_sal, count)
+    ctx_sub = every_pth_from_end(spread(seg_ctx, (count + p - 1) // p), count, p)
     salient, context = [], []
     frame = 0
     for i, size in enumerate(sub_sizes):
@@ -287,24 +329,21 @@ def fastvid_llava(
     return FastVIDPlan(sizes, torch.cat(salient), merges, [b[0] for b in budgets], quotas)
 
 
-def fastvid_qwen25(
+def sequential_stprune(
     embeds: Tensor,
     frames: list[Tensor],
     salience: Tensor,
-    global_features: Tensor,
-    r: float,
-    c: int = 8,
-    tau: float = 0.84,
-    ignore: float = 0.95,
-    d: float = 0.4,
-    p: int = 4,
-    beta: float = 0.6,
-    k: int = 4,
-    generator: torch.Generator | None = None,
+    sizes: list[int],
+    quotas,
+    beta: float,
+    k: int,
+    generator: torch.Generator | None,
 ) -> FastVIDPlan:
-    """The Qwen2.5-VL version on one video (same inputs as `fastvid_llava`)."""
-    normalized = normalize_rows(global_features)
-    sizes = dyseg(normalized, c, tau)
+    """STPrune of the sequential versions (LLaVA-Video, Qwen2.5-VL) on the DySeg segments `sizes`.
+
+    `quotas(offset, seg_frames)` gives a segment's (salient, context) per frame. Per frame: the top-salient tokens,
+    then density anchors (sorted by index) among the rest; each anchor set absorbs every token of the segment that
+    is neither salient nor one of its own anchors."""
     salient_all: list[Tensor] = []
     merges: list[Merge] = []
     sal_frames: list[int] = []
@@ -312,14 +351,7 @@ def fastvid_qwen25(
     offset = 0
     for length in sizes:
         seg_frames = frames[offset : offset + length]
-        tokens = [int(idx.numel()) for idx in seg_frames]
-        retain = [int(n * r) for n in tokens]
-        if length == 1:
-            sub_sizes = [1]
-        else:
-            sim = adjacent_similarity(normalized[offset : offset + length])
-            sub_sizes = sizes_from_cuts(torch.nonzero(sim < ignore).flatten().tolist(), length)
-        sal, ctx = qwen25_segment_quotas(retain, tokens, sub_sizes, d, p)
+        sal, ctx = quotas(offset, seg_frames)
         seg_salient, seg_context = [], []
         for idx, s, cq in zip(seg_frames, sal, ctx):
             top, rest = _top_salient(salience, idx, s)
@@ -338,46 +370,178 @@ def fastvid_qwen25(
     return FastVIDPlan(sizes, torch.cat(salient_all), merges, sal_frames, ctx_frames)
 
 
+def fastvid_qwen25(
+    embeds: Tensor,
+    frames: list[Tensor],
+    salience: Tensor,
+    global_features: Tensor,
+    r: float,
+    c: int = 8,
+    tau: float = 0.84,
+    ignore: float = 0.95,
+    d: float = 0.4,
+    p: int = 4,
+    beta: float = 0.6,
+    k: int = 4,
+    generator: torch.Generator | None = None,
+) -> FastVIDPlan:
+    """The Qwen2.5-VL version on one video (same inputs as `fastvid_llava`)."""
+    normalized = normalize_rows(global_features)
+
+    def quotas(offset: int, seg_frames: list[Tensor]) -> tuple[list[int], list[int]]:
+        length = len(seg_frames)
+        tokens = [int(idx.numel()) for idx in seg_frames]
+        if length == 1:
+            sub_sizes = [1]
+        else:
+            sim = adjacent_similarity(normalized[offset : offset + length])
+            sub_sizes = sizes_from_cuts(torch.nonzero(sim < ignore).flatten().tolist(), length)
+        return qwen25_segment_quotas([int(n * r) for n in tokens], tokens, sub_sizes, d, p)
+
+    return sequential_stprune(embeds, frames, salience, dyseg(normalized, c, tau), quotas, beta, k, generator)
+
+
+def fastvid_llava_video(
+    embeds: Tensor,
+    frames: list[Tensor],
+    salience: Tensor,
+    global_features: Tensor,
+    r: float,
+    c: int = 8,
+    tau: float = 0.9,
+    d: float = 0.4,
+    p: int = 4,
+    beta: float = 0.6,
+    k: int = 4,
+    generator: torch.Generator | None = None,
+) -> FastVIDPlan:
+    """The LLaVA-Video version on one video (same inputs as `fastvid_llava`): the sequential STPrune with
+    `llava_video_segment_quotas` (every frame of a segment keeps salient tokens; no sub-segments, no caps)."""
+
+    def quotas(offset: int, seg_frames: list[Tensor]) -> tuple[list[int], list[int]]:
+        return llava_video_segment_quotas([int(idx.numel() * r) for idx in seg_frames], d, p)
+
+    sizes = dyseg(normalize_rows(global_features), c, tau)
+    return sequential_stprune(embeds, frames, salience, sizes, quotas, beta, k, generator)
+
+
 # --- salience maps on the LLM token grid --------------------------------------------------------------------------
 
 
-def salience_stat(family: str) -> VisionStat:
-    if family.startswith("qwen"):
+def salience_stat(geometry: FamilyGeometry) -> VisionStat:
+    if not geometry.has_prepool_grid:
         return VisionStat("mean_query", -1)  # FastVID's own Qwen2.5-VL score (last, full-attention block)
-    if family == "llava_next_video":
-        return VisionStat("cls", -1)
+    if geometry.cls_tokens:
+        return VisionStat("cls", -1)  # CLIP: the CLS query, the closest analogue of the SigLIP MAP probe
     return VisionStat("received", -1)
 
 
-def salience_map(vision: dict, family: str, size: tuple[int, int]) -> Tensor:
+def salience_map(vision: dict, geometry: FamilyGeometry, size: tuple[int, int]) -> Tensor:
     """Per-frame salience [F, H*W] on the token grid."""
-    h, w = size
-    stat = vision[salience_stat(family)].float()
-    if family.startswith("qwen"):
+    stat = vision[salience_stat(geometry)].float()
+    if not geometry.has_prepool_grid:
         return stat
-    if family == "llava_next_video":  # CLS query (the CLIP analogue of the MAP probe), head mean, CLS column dropped
-        stat, mode = stat.mean(dim=1)[:, 1:], "average"
+    if geometry.cls_tokens:  # CLS query (the CLIP analogue of the MAP probe), head mean
+        stat = stat.mean(dim=1)
     else:  # mean attention received (mean over queries), resized like the official MAP attention
-        stat, mode = stat / stat.shape[-1], "bilinear"
-    frames, length = stat.shape
-    side = int(round(length**0.5))
-    grid = stat.reshape(frames, 1, side, side)
-    if side != h or side != w:
-        if mode == "bilinear":
-            grid = F.interpolate(grid, size=[h, w], mode="bilinear")
-        else:
-            grid = F.avg_pool2d(grid, side // h)
-    return grid.reshape(frames, h * w)
+        stat = stat / stat.shape[-1]
+    return geometry.to_token_grid(stat, size)
+
+
+# --- SigLIP's attention-pooling (MAP) head -----------------------------------------------------------------------
+
+
+def head_applies(geometry: FamilyGeometry) -> bool:
+    """SigLIP's MAP head fits towers whose patch grid the model pools and that have no CLS token (LLaVA-OneVision
+    and LLaVA-Video checkpoints); CLIP towers (LLaVA-NeXT-Video) and Qwen towers have no such head."""
+    return geometry.has_prepool_grid and not geometry.cls_tokens
+
+
+def features_stat() -> VisionStat:
+    """What the head reads: the feature layer's hidden states [F, L, D_vision], the tensor the projector receives
+    (`hidden_states[vision_feature_layer]`, before `post_layernorm`)."""
+    try:
+        return VisionStat(FEATURES_KIND, -1)
+    except ValueError:
+        raise RuntimeError(
+            f"fastvid: head= needs the vision-tower statistic VisionStat({FEATURES_KIND!r}, -1) (the hidden states "
+            "the projector receives), which this version of vtc does not capture; drop head= to use the fallback"
+        ) from None
+
+
+def map_head_outputs(post_layernorm: torch.nn.Module, head: torch.nn.Module, features: Tensor) -> tuple[Tensor, Tensor]:
+    """SigLIP's MAP head on tower features [F, L, D], as the official `SigLipVisionAbstract`: `post_layernorm`,
+    then the head's steps with the probe's attention weights kept (HF's head discards them), in the features' dtype.
+
+    Returns (pooled [F, D]: the probe's output after the MLP residual, `hidden[:, 0]`; weights [F, L]: its attention
+    over the L tokens, softmax per head then mean over heads, `need_weights=True, average_attn_weights=True`)."""
+    x = post_layernorm(features)
+    probe = head.probe.repeat(x.shape[0], 1, 1)
+    out, weights = head.attention(probe, x, x, need_weights=True, average_attn_weights=True)
+    pooled = out + head.mlp(head.layernorm(out))
+    return pooled[:, 0], weights[:, 0]
+
+
+def load_map_head(name: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(post_layernorm, MAP head) of the SigLIP checkpoint `name` (hub name or local path), in float32 (cast to the
+    features' dtype on use); the rest of the tower is dropped. A SiglipModel checkpoint (vision + text) loads too:
+    transformers reports its text weights as unexpected."""
+    from transformers import SiglipVisionModel
+
+    try:
+        model, info = SiglipVisionModel.from_pretrained(name, dtype=torch.float32, output_loading_info=True)
+    except Exception as err:  # noqa: BLE001 - every loading failure gets the same clear message
+        raise ValueError(
+            f"fastvid: could not load the SigLIP MAP head from head={name!r} ({type(err).__name__}: {err}); pass a "
+            "SigLIP checkpoint name or local path, e.g. 'google/siglip-so400m-patch14-384'"
+        ) from err
+    vision = getattr(model, "vision_model", model)  # older transformers wrap the tower in `vision_model`
+    head = getattr(vision, "head", None)
+    if head is None or not hasattr(head, "probe") or not hasattr(vision, "post_layernorm"):
+        raise ValueError(
+            f"fastvid: head={name!r} has no SigLIP attention-pooling head (its config has vision_use_head=False, or "
+            "it is not a SigLIP vision checkpoint); use the base SigLIP checkpoint, e.g. "
+            "'google/siglip-so400m-patch14-384'"
+        )
+    missing = sorted(k for k in info.get("missing_keys", ()) if {"head", "post_layernorm"} & set(k.split(".")))
+    if missing:
+        raise ValueError(f"fastvid: head={name!r} lacks the weights {missing} (they would be random)")
+    modules = (vision.post_layernorm, head)
+    for module in modules:
+        module.requires_grad_(False).eval()
+    return modules
+
+
+class MAPHead:
+    """`post_layernorm` + MAP head of a SigLIP checkpoint, run in the dtype and on the device of the features."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.post_layernorm, self.head = load_map_head(name)
+        self._cast: dict[tuple, tuple[torch.nn.Module, torch.nn.Module]] = {}
+
+    @property
+    def width(self) -> int:
+        return int(self.head.probe.shape[-1])
+
+    def __call__(self, features: Tensor) -> tuple[Tensor, Tensor]:
+        """features [F, L, D] -> (pooled [F, D], weights [F, L]) (`map_head_outputs`)."""
+        if features.shape[-1] != self.width:
+            raise ValueError(
+                f"fastvid: the MAP head of head={self.name!r} is {self.width} wide but the vision tower's features "
+                f"are {features.shape[-1]}; use the SigLIP checkpoint the model's tower comes from"
+            )
+        key = (features.device, features.dtype)
+        if key not in self._cast:
+            self._cast[key] = tuple(
+                copy.deepcopy(m).to(device=features.device, dtype=features.dtype)
+                for m in (self.post_layernorm, self.head)
+            )
+        with torch.no_grad():
+            return map_head_outputs(*self._cast[key], features)
 
 
 # --- the plugin ---------------------------------------------------------------------------------------------------
-
-
-def frame_groups(frame: Tensor, patch: Tensor, per_frame: int) -> list[Tensor]:
-    """Token indices of each frame present, frames ascending, tokens in spatial (patch) order."""
-    order = torch.argsort(frame * per_frame + patch)
-    counts = torch.unique_consecutive(frame[order], return_counts=True)[1]
-    return list(torch.split(order, counts.tolist()))
 
 
 def fixed_target(num_tokens: int, grid, r: float) -> int:
@@ -439,85 +603,103 @@ class FastVID:
     def __init__(self, params: FastVIDParams, retention: float | None = None) -> None:
         self.params = params
         self.retention = retention
-        self.family: str | None = None  # learned at patch time (vision_stats) or from ctx
-        self.last_kept: list[int] = []  # tokens kept per video at the last forward (adaptive count)
-        self.last_plans: list[FastVIDPlan] = []
+        self._head: MAPHead | None = None  # params.head's MAP head, loaded once (at vtc.patch or first use)
 
     def vision_stats(self, family: str) -> list[VisionStat]:
-        self.family = family
-        return [salience_stat(family)]
+        geometry = default_geometry(family)
+        if self.params.head is None:
+            return [salience_stat(geometry)]
+        self.check_head_family(geometry)
+        stat = features_stat()
+        self.map_head()  # load now, so a checkpoint that does not load fails at vtc.patch
+        return [stat]
 
-    def version(self, family: str | None = None) -> str | None:
+    def check_head_family(self, geometry: FamilyGeometry) -> None:
+        if not head_applies(geometry):
+            raise ValueError(
+                f"fastvid: head={self.params.head!r} (SigLIP's attention-pooling head) applies to {HEAD_FAMILIES}, "
+                f"not to {geometry.family}; drop head= (the salience is then the vision tower's attention and the "
+                "frame feature the mean of the frame's tokens)"
+            )
+
+    def map_head(self) -> MAPHead:
+        """The MAP head of `params.head`, loaded on first use and kept by this plugin object."""
+        if self._head is None:
+            self._head = MAPHead(str(self.params.head))
+        return self._head
+
+    def head_outputs(self, ctx, size: tuple[int, int]) -> tuple[Tensor, Tensor]:
+        """(salience [F, H*W] on the token grid, frame features [F, D_vision]) from the MAP head: the probe's
+        attention over the patch grid, pooled as the model pools its features (LLaVA-OneVision: bilinear 27x27 ->
+        14x14, the official `get_attn_2dPool`), and the pooled output."""
+        geometry = ctx.geometry
+        self.check_head_family(geometry)
+        features = ctx.vision.get(features_stat())
+        if features is None:
+            raise RuntimeError(
+                f"fastvid: head= reads VisionStat({FEATURES_KIND!r}, -1) from ctx.vision, but this context has none"
+            )
+        pooled, weights = self.map_head()(features)
+        salience = geometry.pool_grid(geometry.patch_map(weights), size)  # in the features' dtype, as official
+        return salience.float(), pooled
+
+    def version(self, family: str) -> str:
+        """ "llava" (the LLaVA-OneVision parallel version) on families that pool a tower patch grid, else
+        "qwen2_5_vl"; the `version` parameter overrides it ("llava_video" only by hand)."""
         if self.params.version != "auto":
             return self.params.version
-        family = family or self.family
-        if family is None:
-            return None
-        return "llava" if family.startswith("llava") else "qwen2_5_vl"
+        return "llava" if default_geometry(family).has_prepool_grid else "qwen2_5_vl"
 
-    def ratio(self, version: str | None) -> float | None:
+    def ratio(self, version: str) -> float:
         if self.params.retention_ratio is not None:
             return float(self.params.retention_ratio)
         if self.retention is not None:
             return float(self.retention)
-        return DEFAULT_RATIO[version] if version is not None else None
+        return DEFAULT_RATIO[version]
 
-    def retained_count(self, num_tokens: int, grid) -> int | None:
-        r = self.ratio(self.version())
-        if r is None:
-            return None
+    def retained_count(self, num_tokens: int, grid, family: str) -> int | None:
+        r = self.ratio(self.version(family))
         if r >= 1.0:
             return num_tokens
         return fixed_target(num_tokens, grid, r) if self.params.fixed_count else None
 
-    def _record(self, ctx, kept: int, plan: FastVIDPlan | None) -> None:
-        if getattr(ctx, "video_index", 0) == 0:  # the first video of a new forward
-            self.last_kept, self.last_plans = [], []
-        self.last_kept.append(kept)
-        if plan is not None:
-            self.last_plans.append(plan)
-
     @hookimpl
     def vtc_connect(self, tokens, ctx):
-        family = ctx.family or self.family or ""
-        version = self.version(family)
+        version = self.version(ctx.family)
         r = self.ratio(version)
         n = len(tokens)
         if r >= 1.0 or n == 0:  # every token kept as it is
-            self._record(ctx, n, None)
             return tokens
         p = self.params
         t, h, w = tokens.grid
         patch = tokens.patch
         device = tokens.embeds.device
-        frames = frame_groups(tokens.frame, patch, h * w)
-        grid_salience = salience_map(ctx.vision, family, (h, w)).to(device)
-        salience = grid_salience[tokens.frame, patch]
-        # frame-level feature: mean of the frame's tokens, in the model dtype (Qwen2.5-VL version; on LLaVA it
-        # stands in for the SigLIP MAP-head output the HF tower does not have)
-        global_features = torch.stack([tokens.embeds[idx].mean(dim=0) for idx in frames])
+        frames = tokens.frame_groups("patch")
+        if p.head is not None:
+            # the official salience and frame feature: SigLIP's MAP head on the tower output
+            grid_salience, frame_features = self.head_outputs(ctx, (h, w))
+            present = torch.stack([tokens.frame[idx[0]] for idx in frames]).to(frame_features.device)
+            global_features = frame_features[present]
+        else:
+            # fallback: the tower's attention, and the mean of the frame's tokens in the model dtype (the
+            # Qwen2.5-VL version's frame feature)
+            grid_salience = salience_map(ctx.vision, ctx.geometry, (h, w))
+            global_features = torch.stack([tokens.embeds[idx].mean(dim=0) for idx in frames])
+        salience = grid_salience.to(device)[tokens.frame, patch]
         tau = float(p.dyseg_tau) if p.dyseg_tau is not None else DEFAULT_TAU[version]
         common = dict(c=int(p.dyseg_c), tau=tau, d=float(p.stprune_d), p=int(p.dtm_p), beta=float(p.dtm_beta))
+        common.update(k=int(p.knn), generator=ctx.generator)
         if version == "llava":
-            plan = fastvid_llava(
-                tokens.embeds, frames, salience, global_features, r, k=int(p.knn), generator=ctx.generator, **common
-            )
+            plan = fastvid_llava(tokens.embeds, frames, salience, global_features, r, **common)
+        elif version == "llava_video":
+            plan = fastvid_llava_video(tokens.embeds, frames, salience, global_features, r, **common)
         else:
             plan = fastvid_qwen25(
-                tokens.embeds,
-                frames,
-                salience,
-                global_features,
-                r,
-                ignore=float(p.dyseg_ignore),
-                k=int(p.knn),
-                generator=ctx.generator,
-                **common,
+                tokens.embeds, frames, salience, global_features, r, ignore=float(p.dyseg_ignore), **common
             )
         target = fixed_target(n, tokens.grid, r) if p.fixed_count else None
-        out = assemble(tokens, plan, salience, target, h * w)
-        self._record(ctx, len(out), plan)
-        return out
+        ctx.report(plan=plan)
+        return assemble(tokens, plan, salience, target, h * w)
 
 
 @hookimpl
@@ -533,5 +715,8 @@ def vtc_register_methods(registry):
             summary="segment by frame similarity; keep salient tokens, merge the rest into density-peak anchors",
             fixed_count=True,
             position_policy="keep",
+            vision_stats=True,
+            retention_note="adaptive: each frame keeps int(n * retention), the DySeg/DTM quotas round down, so a "
+            "few tokens per segment below retention; fixed_count=True keeps exactly sum(int(n * retention))",
         )
     )

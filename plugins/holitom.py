@@ -24,12 +24,12 @@ import dataclasses
 import math
 
 import torch
-import torch.nn.functional as F
 
+from vtc.core.geometry import FamilyGeometry
 from vtc.core.hookspecs import hookimpl
 from vtc.core.registry import MethodInfo
 from vtc.core.vision_stats import VisionStat
-from vtc_kernels import assign_to_centers, dpc_knn_centers
+from vtc_kernels import adjacent_frame_similarity, assign_to_centers, dpc_knn_centers
 
 Tensor = torch.Tensor
 
@@ -54,6 +54,7 @@ class HoliTomParams:
     max_window_size: int = 1024  # MAX_WINDOW_SIZE: longest temporal window of the DP segmentation
     use_beta: bool = True  # NO_BETA unset; False = plain mean of centre and members
     fixed_count: bool = False  # reconcile to round(N * R) tokens before the LLM (serving contract)
+    bidirectional_layer: bool = False  # the official SDPA run: layer k-1 attends without its causal mask
 
     def __post_init__(self):
         if self.retain_ratio is not None and not 0.0 < float(self.retain_ratio) <= 1.0:
@@ -80,8 +81,7 @@ class HoliTomParams:
 def frame_similarity(x: Tensor) -> Tensor:
     """x [F, P, D] -> [F-1, P]: cosine of each position with the same position in the next frame (the official
     code L2-normalises first, then takes `cosine_similarity`; computed in the features' dtype)."""
-    normed = F.normalize(x, p=2, dim=-1)
-    return F.cosine_similarity(normed[:-1], normed[1:], dim=-1)
+    return adjacent_frame_similarity(x, normalize="eps", formula="torch")
 
 
 def static_window_counts(sim: Tensor, tau: float) -> Tensor:
@@ -416,27 +416,11 @@ def reconcile_plan(plan: OuterPlan, target: int, x: Tensor, attn: Tensor, window
     return sort_plan(plan)
 
 
-def attention_on_grid(received: Tensor, height: int, width: int, mode: str) -> Tensor:
-    """Vision attention [F, L] -> [F, height * width] on the LLM token grid.
-
-    Already on the grid (Qwen: per temporal patch, 2x2 merge units averaged): unchanged. SigLIP (L = s * s):
-    bilinear resize to the grid, as the official code pools the attention with `get_2dPool`. CLIP (CLS + s * s):
-    CLS dropped, then `mode`: "bilinear", or LLaVA-NeXT-Video's own pooling of its features ("average" / "max")."""
-    frames, length = received.shape
-    if length == height * width:
-        return received.float()
-    side = math.isqrt(length)
-    if side * side != length:
-        received, side = received[:, 1:], math.isqrt(length - 1)
-        if side * side != length - 1:
-            raise ValueError(f"holitom: cannot place {length} vision-attention values on a square patch grid")
-    grid = received.float().reshape(frames, 1, side, side)
-    if mode in ("average", "max"):
-        pool = F.avg_pool2d if mode == "average" else F.max_pool2d
-        grid = pool(grid, kernel_size=(side // height, side // width))
-    else:
-        grid = F.interpolate(grid, size=(height, width), mode="bilinear")
-    return grid.reshape(frames, height * width)
+def attention_on_grid(received: Tensor, geometry: FamilyGeometry, size: tuple[int, int]) -> Tensor:
+    """Vision attention [F, L] -> [F, H * W] on the LLM token grid, pooled the way the model pools its features:
+    SigLIP (LLaVA-OneVision) bilinearly, as the official `get_2dPool` pools the attention; CLIP (LLaVA-NeXT-Video,
+    CLS dropped) with the model's own 2x2 pooler (a vtc port); Qwen statistics are already on the grid."""
+    return geometry.to_token_grid(received.float(), size)
 
 
 # --- inner merge ---------------------------------------------------------------------------------------------------
@@ -481,24 +465,6 @@ def inner_merge(hidden: Tensor, scores: Tensor, slots: Tensor, num_keep: int) ->
 # --- the plugin ----------------------------------------------------------------------------------------------------
 
 
-def _grid_index(tokens) -> tuple[Tensor, Tensor]:
-    """(frames present [F'], idx [F', P]) such that tokens[idx[f, p]] sits at frame frames[f], position p.
-    HoliTom compares each position across consecutive frames, so every present frame must be complete."""
-    _, h, w = tokens.grid
-    positions = h * w
-    frames = torch.unique(tokens.frame)
-    patch = tokens.row * w + tokens.col
-    lookup = torch.full((int(tokens.grid[0]), positions), -1, dtype=torch.long, device=tokens.frame.device)
-    lookup[tokens.frame, patch] = torch.arange(len(tokens), device=tokens.frame.device)
-    idx = lookup[frames]
-    if len(tokens) != frames.numel() * positions or bool((idx < 0).any()):
-        raise ValueError(
-            "holitom: needs whole frames (it compares every position across consecutive frames); "
-            "place it before methods that remove tokens inside frames"
-        )
-    return frames, idx
-
-
 class HoliTom:
     def __init__(self, params: HoliTomParams, retention: float | None = None) -> None:
         self.params = params
@@ -511,26 +477,15 @@ class HoliTom:
             self.r = float(params.r)
         else:
             self.r = 0.0 if self.retain_ratio >= 1.0 else 0.5  # keeping every token: no inner merge either
-        self.last_plans: list[OuterPlan] = []  # outer decisions of the last forward, per video
-        self._outer_pending: list[int] = []
-        self._outer_counts: list[int] = []
-        self._inner_counts: list[int] | None = None
 
     @property
     def outer_active(self) -> bool:
         return self.retain_ratio < 1.0
 
-    @property
-    def last_kept(self) -> list[int]:
-        """Visual tokens at the last LLM layer, per batch row (inner merge on), else per video, last forward."""
-        if self.r > 0 and self._inner_counts is not None:
-            return list(self._inner_counts)
-        return list(self._outer_counts or self._outer_pending)
-
     def outer_target(self, num_tokens: int) -> int:
         return max(1, min(num_tokens, round(num_tokens * self.retain_ratio)))
 
-    def retained_count(self, num_tokens: int, grid) -> int | None:
+    def retained_count(self, num_tokens: int, grid, family: str) -> int | None:
         """Exact count at the last layer when it does not depend on the content (fixed_count, or no outer merge)."""
         if self.outer_active and not self.params.fixed_count:
             return None
@@ -545,28 +500,21 @@ class HoliTom:
     def vtc_connect(self, tokens, ctx):
         n = len(tokens)
         if not self.outer_active or n == 0:
-            self._outer_pending.append(n)
             return tokens
         p = self.params
-        frames, idx = _grid_index(tokens)
+        frames, idx = tokens.whole_frames("holitom")
         _, h, w = tokens.grid
         received = ctx.vision.get(RECEIVED)
         if received is None:
             raise RuntimeError("holitom: the vision-tower attention was not captured")
-        mode = "bilinear"  # LLaVA-OneVision pools its features (and HoliTom its attention) bilinearly
-        if ctx.family == "llava_next_video":  # port: pool the CLIP attention the way the model pools features
-            config = getattr(ctx.model, "config", None)
-            mode = "max" if getattr(config, "spatial_pool_mode", "average") == "max" else "average"
-        attn = attention_on_grid(received, h, w, mode)[frames.to(received.device)].to(tokens.embeds.device)
+        attn = attention_on_grid(received, ctx.geometry, (h, w))[frames.to(received.device)].to(tokens.embeds.device)
         x = tokens.embeds[idx]
         plan = outer_merge(
             x, attn, self.retain_ratio, self.tau, p.beta, p.d, p.knn, p.max_window_size, p.use_beta, ctx.generator
         )
         if p.fixed_count:
             plan = reconcile_plan(plan, self.outer_target(n), x, attn, plan.windows)
-        self.last_plans.append(plan)
-        del self.last_plans[:-8]
-        self._outer_pending.append(len(plan))
+        ctx.report(plan=plan)
         flat = idx.reshape(-1)
         if (
             len(plan) == n
@@ -589,39 +537,34 @@ class HoliTom:
         if state.point != "layer_start":
             return
         k = int(self.params.k)
-        if state.layer == 0:
-            self._outer_counts, self._outer_pending = self._outer_pending, []
-            self._inner_counts = None
-            if self.r > 0 and state.num_layers <= k:
-                raise ValueError(
-                    f"holitom: k={k} but the language model has only {state.num_layers} layers "
-                    "(the inner merge runs before layer k)"
-                )
+        if state.layer == 0 and self.r > 0 and state.num_layers <= k:
+            raise ValueError(
+                f"holitom: k={k} but the language model has only {state.num_layers} layers "
+                "(the inner merge runs before layer k)"
+            )
         if self.r <= 0:
             return
         if state.layer == k - 1:
             state.request_attention(num_rows=1, upcast=True)  # output_attentions=True (eager) at layer k-1
+            if self.params.bidirectional_layer:  # the official SDPA run: layer k-1 without its causal mask
+                state.attend_bidirectionally()
         elif state.layer == k:
-            self._merge(state)
+            self._merge(state, ctx)
 
-    def _merge(self, state) -> None:
+    def _merge(self, state, ctx) -> None:
         k = int(self.params.k)
         scores = state.attention(k - 1).mean(dim=1)[:, -1]  # [B, n]: last prompt token, head mean
         layout = state.layout
         hidden = state.hidden.clone()
         keep = layout.valid.clone()
-        counts = []
         for b in range(hidden.shape[0]):
-            visual = layout.visual[b] & layout.valid[b]
             total = 0
-            for video in torch.unique(layout.video[b][visual]).tolist():
-                slots = torch.nonzero(visual & (layout.video[b] == video)).flatten()
+            for slots in layout.video_slots(b).values():
                 num_keep = inner_kept_count(int(slots.numel()), self.r)
                 hidden[b], _, dropped = inner_merge(hidden[b], scores[b].to(hidden.device), slots, num_keep)
                 keep[b, dropped.to(keep.device)] = False
                 total += num_keep
-            counts.append(total)
-        self._inner_counts = counts
+            ctx.report(kept=total)  # visual tokens of this batch row from layer k on
         state.replace_hidden(hidden)
         state.keep(keep)
 
@@ -642,5 +585,16 @@ def vtc_register_methods(registry):
             owns=frozenset({"llm_token_schedule"}),
             position_policy="compact",
             query_aware=True,
+            vision_stats=True,
+            needs_whole_frames=True,
+            retention_note="retention is RETAIN_RATIO, the share of visual tokens entering the LLM (the paper's "
+            "tables), at most: a very static video keeps fewer (fixed_count=True tops up); from layer k on the "
+            "inner merge keeps round(N (1 - r)) of them (r = 0.5)",
+            conformance_exemptions={
+                "ordered_positions": "official output order: static clusters, then each frame",
+                "retention": "adaptive count: when static windows collapse more than 1 - r of the tokens the LLM sees "
+                "fewer than r; fixed_count=True (checked instead) tops up to exactly r",
+            },
+            test_params={"k": 2},
         )
     )

@@ -499,11 +499,6 @@ class PruneVid:
         else:
             self.alpha = DEFAULT_ALPHA
             self.target = README_RETAINED  # only used by fixed_count
-        self.last_kept: list[int] = []  # visual tokens per batch row at the last LLM layer (last prefill)
-        self.last_plans: list[Stage1Plan] = []  # stage-1 plans of the last prefill's videos (inspectable)
-        self._pending: list[Stage1Plan] = []  # plans of the connect calls of the forward in progress
-        self.entry_layout = None  # the LLM input layout (slots, tags) of the last prefill
-        self._scores: Tensor | None = None
 
     def _uses_budget(self) -> bool:
         return self.alpha is None or bool(self.params.fixed_count)
@@ -511,7 +506,7 @@ class PruneVid:
     def _budget(self, num_tokens: int) -> int:
         return min(num_tokens, max(1, round(self.target * num_tokens)))
 
-    def retained_count(self, num_tokens: int, grid) -> int | None:
+    def retained_count(self, num_tokens: int, grid, family: str) -> int | None:
         if self.identity:
             return num_tokens
         if self.params.fixed_count:
@@ -546,7 +541,7 @@ class PruneVid:
             )
             if budget is None or plan.count >= budget:
                 break
-        self._pending.append(plan)
+        ctx.report(plan=plan)
         out = tokens.merge(plan.anchors, plan.dst, plan.src, plan.src_weight, plan.keep_weight, embeds=plan.values)
         out.tags[TAG_WINDOW] = plan.window
         out.tags[TAG_STATIC] = plan.static
@@ -562,63 +557,43 @@ class PruneVid:
             return
         layer = int(self.params.selected_layer)
         layout = state.layout
-        if state.layer == 0:
-            self.entry_layout = layout
-            self.last_plans, self._pending = self._pending, []
-            self.last_kept = (layout.visual & layout.valid).sum(dim=1).tolist()
-            if state.num_layers <= layer + 1:
-                raise ValueError(
-                    f"prunevid: selected_layer={layer} needs a language model with more than {layer + 1} layers "
-                    f"(the prune happens before layer selected_layer + 1); this one has {state.num_layers}"
-                )
+        if state.layer == 0 and state.num_layers <= layer + 1:
+            raise ValueError(
+                f"prunevid: selected_layer={layer} needs a language model with more than {layer + 1} layers "
+                f"(the prune happens before layer selected_layer + 1); this one has {state.num_layers}"
+            )
         if TAG_WINDOW not in layout.tags:
             return
         if state.layer == layer:
             if self.params.causal_scores:
                 state.request_attention("after_visual", upcast=True)
             else:
-                self._scores = self._position_free_scores(state, ctx, layer)
+                ctx.store["scores"] = self._position_free_scores(state)
         elif state.layer == layer + 1:
             if self.params.causal_scores:
                 scores = state.attention(layer).amax(dim=1).amax(dim=1)  # max over heads, then text queries
             else:
-                scores, self._scores = self._scores, None
+                scores = ctx.store.pop("scores")
             keep = self._keep_mask(scores, layout)
-            self.last_kept = (keep & layout.visual).sum(dim=1).tolist()
+            for kept in (keep & layout.visual).sum(dim=1).tolist():
+                ctx.report(kept=kept)  # visual tokens of each batch row from layer selected_layer + 1 on
             state.keep(keep, prune_cache=True)
 
     @staticmethod
-    def _position_free_scores(state, ctx, layer: int) -> Tensor:
-        """Recompute layer `layer`'s query / key projections (input norm, q/k projections, Qwen3's q/k norms)
-        from the stream entering it, as its attention does, but stop before the rotary embedding."""
-        from vtc.hf.adapters import resolve_adapter
-
-        module = resolve_adapter(ctx.model).decoder_layers[layer]
-        attn = module.self_attn
+    def _position_free_scores(state) -> Tensor:
+        """The official map: the layer's query rows of the text after the video against every key, before RoPE
+        and without the causal mask (`state.projections`)."""
         layout = state.layout
         rows, rows_valid = text_rows(layout.visual, layout.valid)
-        with torch.no_grad():
-            normed = module.input_layernorm(state.hidden)
-            picked = torch.gather(normed, 1, rows.to(normed.device)[..., None].expand(-1, -1, normed.shape[-1]))
-            query = attn.q_proj(picked).view(*picked.shape[:-1], -1, attn.head_dim)
-            key = attn.k_proj(normed).view(*normed.shape[:-1], -1, attn.head_dim)
-            if getattr(attn, "q_norm", None) is not None:
-                query, key = attn.q_norm(query), attn.k_norm(key)
-            return text_attention_scores(
-                query.transpose(1, 2),
-                key.transpose(1, 2),
-                rows,
-                rows_valid.to(normed.device),
-                layout.valid.to(normed.device),
-            )
+        query, key = state.projections(rows)
+        device = query.device
+        return text_attention_scores(query, key, rows, rows_valid.to(device), layout.valid.to(device))
 
     def _keep_mask(self, scores: Tensor, layout) -> Tensor:
         tags = layout.tags
         keep = layout.valid.clone()
         for b in range(keep.shape[0]):
-            visual = layout.visual[b] & layout.valid[b]
-            for v in torch.unique(layout.video[b][visual]).tolist():
-                slots = torch.nonzero(visual & (layout.video[b] == v)).flatten()
+            for slots in layout.video_slots(b).values():
                 if bool((tags[TAG_WINDOW][b, slots] < 0).any()):
                     continue  # a video stage 1 did not tag: left alone
                 budget = int(tags[TAG_BUDGET][b, slots[0]]) if TAG_BUDGET in tags else None
@@ -651,5 +626,10 @@ def vtc_register_methods(registry):
             owns=frozenset({"llm_token_schedule"}),
             position_policy="compact",
             query_aware=True,
+            retention_reference="last_layer",
+            retention_note="retention is the share left after the layer-M prune (alpha = budget / tokens per "
+            "group, rounded down per group); stage 1 alone leaves more",
+            conformance_exemptions={"ordered_positions": "official output order: static tokens, then each frame"},
+            test_params={"selected_layer": 2},
         )
     )

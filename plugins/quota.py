@@ -210,25 +210,22 @@ def anchor_cells(h: int, w: int, grid_h: int, grid_w: int) -> torch.Tensor:
 
 
 class Quota:
-    needs_prepool = True
-
     def __init__(self, params: QuotaParams, retention: float | None = None, scorer_kind: str = "vlm") -> None:
         self.params = params
         self.retention = retention
         self.scorer_kind = scorer_kind
-        self._scorer_model = None
-        self.last_kept: list[int] = []
-        self.last_budgets: list[list[int]] = []
+        self._scorer_model = None  # the `scorer` checkpoint, loaded once (a cache, not per-prompt state)
 
     # sample ---------------------------------------------------------------------------------------------------
     @hookimpl
     def vtc_sample(self, video, ctx):
         p = self.params
-        count = ctx.extra.get("num_frames") or p.max_frames_num + int(video.duration / 3600 * p.additional_frames)
-        indices = uniform_indices(video.num_frames, int(count))
+        count = ctx.num_frames or p.max_frames_num + int(video.duration / 3600 * p.additional_frames)
+        # quota_pipeline.py: np.linspace(0, T - 1, max_frames_num, dtype=int) (truncated, duplicates kept)
+        indices = uniform_indices(video.num_frames, int(count), "floor")
         if ctx.question is None:
             raise ValueError("quota scores frames against the question: pass it to handle.prepare(...)")
-        model, processor = ctx.model, ctx.extra.get("processor")
+        model, processor = ctx.model, ctx.processor
         objects: list[str] = []
         if p.decouple:
             if model is None or processor is None:
@@ -244,7 +241,7 @@ class Quota:
             scores = vlm_yes_probabilities(
                 scorer, scorer_processor, frames, prompt, p.score_batch_size, p.scorer_max_pixels
             )
-        ctx.extra["prepared"]["quota"] = {
+        ctx.prepared["quota"] = {
             "objects": objects,
             "scores": scores,
             "weights": frame_weights(scores, *p.weight_scale),
@@ -272,19 +269,19 @@ class Quota:
         per_frame = self.params.enhance_tokens or grid[1] * grid[2]
         return per_frame * self.params.enhance_total
 
-    def retained_count(self, num_tokens: int, grid) -> int | None:
+    def retained_count(self, num_tokens: int, grid, family: str) -> int | None:
         return self.budget(num_tokens, grid) if self.params.fixed_count else None
 
     @hookimpl
     def vtc_connect(self, tokens, ctx):
-        info = ctx.extra.get("prepared", {}).get("quota")
+        info = ctx.prepared.get("quota")
         if info is None:
             raise ValueError(
                 "quota assigns tokens from frame scores computed in its sample stage: build the inputs with "
                 "handle.prepare(processor, video, question) on the patched model"
             )
         t, h0, w0 = tokens.grid
-        if len(tokens) != t * h0 * w0:
+        if not tokens.is_full_grid:
             raise ValueError("quota resizes whole frames: put it before other connect methods that drop tokens")
         weights = grid_frame_weights(info["weights"], t)
         exact = self.params.fixed_count
@@ -305,13 +302,11 @@ class Quota:
         features = torch.cat(pieces)
         if ctx.prepool is not None and ctx.project is not None:
             features = ctx.project(features)
-        out = tokens.select(torch.cat(anchors).to(tokens.embeds.device))
+        # an upsampled frame takes its cells' positions from the nearest grid cells, so anchors can repeat
+        out = tokens.select(torch.cat(anchors).to(tokens.embeds.device), allow_repeats=True)
         out.embeds = features.to(tokens.embeds.device, tokens.embeds.dtype)
         out.extras = {name: torch.cat(parts).to(tokens.extras[name].dtype) for name, parts in extras.items()}
-        if ctx.video_index == 0:  # a new forward: forget the previous one's counts
-            self.last_kept, self.last_budgets = [], []
-        self.last_budgets.append(counts)
-        self.last_kept.append(len(out))
+        ctx.report(budgets=counts)
         return out
 
 
@@ -358,6 +353,19 @@ def vtc_register_methods(registry):
         owns=frozenset({"frame_selection"}),
         position_policy="compact",
         query_aware=True,
+        prepool=True,
+        needs_whole_frames=True,
+        retention_note="the budget B = round(retention * N) is shared by relevance; each frame keeps an h x w grid "
+        "of at most int(B w_f) cells (official), so up to a row per frame below; fixed_count=True keeps exactly B",
+        conformance_exemptions={
+            "identity_at_full_retention": "at retention 1.0 the full budget is redistributed across frames",
+            "retention": "adaptive count: each frame's budget becomes an h x w grid <= it (a row lost at most); "
+            "fixed_count=True (checked instead) keeps exactly round(r N)",
+            "ordered_positions": "an upsampled frame repeats its grid's anchor positions",
+            "original_positions": "resized frames are new features placed at their nearest grid cell (tested in "
+            "tests/test_quota.py)",
+        },
+        test_params={"decouple_max_new_tokens": 4},
     )
     registry.add(
         MethodInfo(
@@ -374,6 +382,10 @@ def vtc_register_methods(registry):
             factory=QuotaClip,
             paper="QuoTA variant (vtc): CLIP frame scores instead of a VLM",
             summary="QuoTA's budgets with CLIP (open_clip) frame relevance",
-            **common,
+            **{
+                **common,
+                # a tiny random CLIP architecture shipped with vtc.testing (no download)
+                "test_params": {"decouple_max_new_tokens": 4, "clip_model": "vtc-tiny-clip", "clip_pretrained": None},
+            },
         )
     )

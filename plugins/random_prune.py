@@ -38,7 +38,7 @@ class RandomPrune:
         self.params = params
         self.ratio = params.ratio if params.ratio is not None else (retention if retention is not None else 0.5)
 
-    def retained_count(self, num_tokens: int, grid) -> int:
+    def retained_count(self, num_tokens: int, grid, family: str) -> int:
         return kept_count(num_tokens, self.ratio)
 
     @hookimpl

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from vtc.core.hookspecs import hookimpl
 from vtc.core.registry import MethodInfo
+from vtc.core.tokens import frame_groups
 from vtc_kernels import reconcile_count, topk_indices
 
 Tensor = torch.Tensor
@@ -74,13 +75,6 @@ def multi_scale_gaussian(x: Tensor, centre: Tensor, alphas=ALPHAS) -> Tensor:
     for a in alphas:
         total = total + torch.exp(-dist_sq / (2 * a))
     return total
-
-
-def frame_groups(frame: Tensor) -> list[Tensor]:
-    """Token indices of each frame present in `frame` [N], frames in temporal order, indices ascending."""
-    order = torch.sort(frame, stable=True).indices
-    counts = torch.unique_consecutive(frame[order], return_counts=True)[1]
-    return list(torch.split(order, counts.tolist()))
 
 
 def gaussian_scores(x: Tensor, groups: list[Tensor], alphas=ALPHAS) -> tuple[Tensor, Tensor]:
@@ -137,7 +131,7 @@ def vidcom2_plan(
 
     With `target`, the per-frame selection is reconciled to exactly `target` tokens: the kept tokens with the
     highest scores are dropped, or the dropped ones with the lowest scores added (vLLM's VidCom2)."""
-    groups = frame_groups(frame)
+    groups = frame_groups(frame)  # tokens of each frame, in their current order
     x = embeds[:, low_variance_channels(embeds, channel_ratio)]
     video_score, frame_score = gaussian_scores(x, groups, alphas)
     uniqueness = torch.stack([-video_score[idx].mean() for idx in groups])
@@ -167,35 +161,24 @@ class VidCom2:
             self.ratio = float(params.ratio)
         else:
             self.ratio = retention if retention is not None else DEFAULT_RATIO
-        # decisions of the last forward, one entry per video: tokens kept, per-frame budgets k_f (in the default
-        # adaptive mode a video keeps exactly sum(k_f)); and the last video's full plan
-        self.last_kept: list[int] = []
-        self.last_budgets: list[list[int]] = []
-        self.last_plan: VidCom2Plan | None = None
 
-    def retained_count(self, num_tokens: int, grid) -> int | None:
+    def retained_count(self, num_tokens: int, grid, family: str) -> int | None:
         if self.ratio >= 1.0:
             return num_tokens
         if self.params.fixed_count:
             return fixed_target(num_tokens, int(grid[0]), self.ratio)
         return None  # per-frame rounding makes the total depend on the content
 
-    def _record(self, ctx, kept: int, budgets: list[int]) -> None:
-        if ctx.video_index == 0:  # the first video of a new forward
-            self.last_kept, self.last_budgets = [], []
-        self.last_kept.append(kept)
-        self.last_budgets.append(budgets)
-
     @hookimpl
     def vtc_connect(self, tokens, ctx):
         n = len(tokens)
         if self.ratio >= 1.0 or n == 0:
-            self._record(ctx, n, torch.unique(tokens.frame, return_counts=True)[1].tolist())
+            ctx.report(budgets=torch.unique(tokens.frame, return_counts=True)[1].tolist())
             return tokens
         embeds = tokens.embeds
         if self.params.compute_dtype is not None:
             embeds = embeds.to(DTYPES[self.params.compute_dtype])
-        target = self.retained_count(n, tokens.grid) if self.params.fixed_count else None
+        target = self.retained_count(n, tokens.grid, ctx.family) if self.params.fixed_count else None
         plan = vidcom2_plan(
             embeds,
             tokens.frame,
@@ -205,8 +188,7 @@ class VidCom2:
             self.params.alphas,
             target,
         )
-        self.last_plan = plan
-        self._record(ctx, int(plan.keep.numel()), plan.budgets)
+        ctx.report(budgets=plan.budgets, plan=plan)  # per-frame budgets k_f (adaptive mode keeps sum(k_f))
         if plan.keep.numel() == n:
             return tokens
         return tokens.select(plan.keep)

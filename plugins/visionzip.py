@@ -24,8 +24,8 @@ import dataclasses
 import math
 
 import torch
-import torch.nn.functional as F
 
+from vtc.core.geometry import FamilyGeometry, default_geometry
 from vtc.core.hookspecs import hookimpl
 from vtc.core.registry import MethodInfo
 from vtc.core.vision_stats import VisionStat
@@ -128,67 +128,35 @@ def contextual_features(targets: Tensor, members: Tensor, assign: Tensor) -> Ten
 # --- attention maps on the LLM token grid -------------------------------------------------------------------------
 
 
-def pool_map(values: Tensor, size: tuple[int, int], mode: str) -> Tensor:
-    """Resize per-frame patch maps [F, L, C] (L = side^2) to the token grid `size` -> [F, H*W, C].
-
-    "bilinear": F.interpolate to `size` (LLaVA-OneVision's get_2dPool, ceil(27/2) = 14); "average": 2x2 average
-    pooling (LLaVA-NeXT-Video's pooler); "none": already on the grid (Qwen)."""
-    if mode == "none":
-        return values
-    frames, length, channels = values.shape
-    side = math.isqrt(length)
-    grid = values.reshape(frames, side, side, channels).permute(0, 3, 1, 2)
-    if mode == "bilinear":
-        grid = F.interpolate(grid, size=list(size), mode="bilinear")
-    elif mode == "average":
-        grid = F.avg_pool2d(grid, side // size[0])
-    else:
-        raise ValueError(f"unknown pooling mode {mode!r}")
-    return grid.permute(0, 2, 3, 1).reshape(frames, size[0] * size[1], channels)
-
-
-def vision_stats_for(family: str) -> list[VisionStat]:
-    if family == "llava_next_video":
+def vision_stats_for(geometry: FamilyGeometry) -> list[VisionStat]:
+    """CLIP towers (a CLS token): the official CLS row; SigLIP and Qwen towers: the attention each token receives."""
+    if geometry.cls_tokens:
         return [VisionStat("cls", -1), VisionStat("keys", -1)]
     return [VisionStat("received", -1), VisionStat("keys", -1)]
 
 
-def token_grid_maps(vision: dict, family: str, size: tuple[int, int]) -> tuple[Tensor, Tensor]:
-    """(attention [F, H*W], metric [F, H*W, d]) on the token grid, from the captured vision statistics."""
+def token_grid_maps(vision: dict, geometry: FamilyGeometry, size: tuple[int, int]) -> tuple[Tensor, Tensor]:
+    """(attention [F, H*W], metric [F, H*W, d]) on the token grid, from the captured vision statistics, pooled
+    the way the model pools its features."""
     keys = vision[VisionStat("keys", -1)].float()
-    if family == "llava_next_video":  # official CLIP form: CLS row summed over heads, CLS column dropped
-        attention = vision[VisionStat("cls", -1)].float()[:, :, 1:].sum(dim=1)
-        keys, mode = keys[:, 1:], "average"
+    if geometry.cls_tokens:  # official CLIP form: CLS row summed over heads (its own CLS column dropped below)
+        attention = vision[VisionStat("cls", -1)].float().sum(dim=1)
     else:  # SigLIP port / Qwen: attention received, mean over queries (as attentions[-1].mean(1).mean(1))
         received = vision[VisionStat("received", -1)].float()
         attention = received / received.shape[-1]
-        mode = "bilinear" if family == "llava_onevision" else "none"
-    if family.startswith("llava") and attention.shape[-1] != size[0] * size[1]:
-        attention = pool_map(attention.unsqueeze(-1), size, mode).squeeze(-1)
-        keys = pool_map(keys, size, mode)
-    return attention, keys
+    return geometry.to_token_grid(attention, size), geometry.to_token_grid(keys, size)
 
 
 # --- the plugin ---------------------------------------------------------------------------------------------------
 
 
-def frame_groups(frame: Tensor, patch: Tensor) -> list[Tensor]:
-    """Token indices of each frame present, frames ascending, tokens in spatial (patch) order."""
-    order = torch.argsort(frame * (int(patch.max()) + 1 if patch.numel() else 1) + patch)
-    counts = torch.unique_consecutive(frame[order], return_counts=True)[1]
-    return list(torch.split(order, counts.tolist()))
-
-
 class VisionZip:
-    needs_prepool = True  # LLaVA-NeXT-Video merges CLIP features before the projector (other families ignore it)
-
     def __init__(self, params: VisionZipParams, retention: float | None = None) -> None:
         self.params = params
         self.retention = retention
-        self.last_kept: list[int] = []
 
     def vision_stats(self, family: str) -> list[VisionStat]:
-        return vision_stats_for(family)
+        return vision_stats_for(default_geometry(family))
 
     def counts(self, num_patches: int) -> tuple[int, int]:
         """(dominant, contextual) per frame of `num_patches` tokens."""
@@ -200,16 +168,11 @@ class VisionZip:
         )
         return split_counts(tokens, float(p.dominant_ratio))
 
-    def retained_count(self, num_tokens: int, grid) -> int | None:
+    def retained_count(self, num_tokens: int, grid, family: str) -> int | None:
         t, h, w = grid
         if num_tokens != t * h * w:
             return None  # an earlier plugin thinned the frames: per-frame caps make it content-dependent
         return t * min(sum(self.counts(h * w)), h * w)
-
-    def _record(self, ctx, kept: int) -> None:
-        if getattr(ctx, "video_index", 0) == 0:  # the first video of a new forward
-            self.last_kept = []
-        self.last_kept.append(kept)
 
     @hookimpl
     def vtc_connect(self, tokens, ctx):
@@ -217,17 +180,15 @@ class VisionZip:
         dominant, contextual = self.counts(h * w)
         n = len(tokens)
         if dominant + contextual >= h * w or n == 0:
-            self._record(ctx, n)
             return tokens
-        family = ctx.family or ""
-        attention, metric = token_grid_maps(ctx.vision, family, (h, w))
+        attention, metric = token_grid_maps(ctx.vision, ctx.geometry, (h, w))
         patch = tokens.patch
         device = tokens.embeds.device
         attention, metric = attention.to(device), metric.to(device)
-        blocks = self._prepool_blocks(tokens, ctx, family)
+        blocks = self._prepool_blocks(tokens, ctx)
 
         keep, new_embeds, dst, src, src_weight = [], [], [], [], []
-        for idx in frame_groups(tokens.frame, patch):
+        for idx in tokens.frame_groups("patch"):
             f = int(tokens.frame[idx[0]])
             if idx.numel() <= dominant + contextual:  # a frame an earlier plugin thinned below S: keep it whole
                 keep.append(idx)
@@ -257,15 +218,15 @@ class VisionZip:
             rank = torch.empty_like(order)
             rank[order] = torch.arange(order.numel(), device=order.device)
             keep_idx, embeds, dst_idx = keep_idx[order], embeds[order], rank[dst_idx]
-        self._record(ctx, int(keep_idx.numel()))
         return tokens.merge(keep_idx, dst_idx, src_idx, weights, embeds=embeds)
 
-    def _prepool_blocks(self, tokens, ctx, family: str) -> Tensor | None:
-        """Per token, its s x s block of CLIP features before LLaVA-NeXT-Video's pooler ([N, s, s, D_vision]),
-        when the tokens are the untouched pooled grid; else None (merge the LLM tokens instead)."""
-        if family != "llava_next_video" or not self.params.merge_before_projector:
+    def _prepool_blocks(self, tokens, ctx) -> Tensor | None:
+        """Per token, its s x s block of tower features before a pooler that precedes the projector (LLaVA-NeXT-
+        Video's CLIP features, [N, s, s, D_vision]), when the tokens are the untouched pooled grid; else None
+        (merge the LLM tokens instead)."""
+        if not ctx.geometry.pool_before_projector or not self.params.merge_before_projector:
             return None
-        prepool = getattr(ctx, "prepool", None)
+        prepool = ctx.prepool
         t, h, w = tokens.grid
         if prepool is None or ctx.pool is None or len(tokens) != t * h * w or bool((tokens.weight != 1).any()):
             return None
@@ -290,5 +251,11 @@ def vtc_register_methods(registry):
             summary="per frame: top vision-attention tokens + key-similarity merges into uniform targets",
             fixed_count=True,
             position_policy="compact",
+            vision_stats=True,
+            prepool=True,  # LLaVA-NeXT-Video merges CLIP features before the projector (other families ignore it)
+            retention_note="per frame: S = ceil(retention * tokens per frame), so at most one token per frame above",
+            conformance_exemptions={
+                "ordered_positions": "official order on LLaVA: per frame, dominant tokens then contextual ones"
+            },
         )
     )

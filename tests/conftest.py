@@ -1,9 +1,9 @@
 """Shared fixtures: tiny random-weight models of every family (built once per session, offline), generated
-videos with moving shapes / scene cuts / static stretches, and processor inputs for them."""
+videos with moving shapes / scene cuts / static stretches, and processor inputs for them. They live in
+`vtc.testing.fixtures`, so third-party plugin packages get the same ones."""
 
 from __future__ import annotations
 
-import functools
 import os
 import warnings
 
@@ -17,42 +17,19 @@ warnings.filterwarnings("ignore", message=".*cap_pixels_per_frame.*")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 import vtc  # noqa: E402
-from vtc.testing import tiny  # noqa: E402
+from vtc.testing.fixtures import (  # noqa: E402,F401  (re-exported for the test modules)
+    FAMILIES,
+    NUM_FRAMES,
+    QUESTIONS,
+    batch_inputs,
+    model_and_processor,
+    register_tiny_clip,
+    single_inputs,
+    videos,
+)
 
-try:  # a tiny CLIP architecture (random weights) for quota-clip tests
-    import open_clip
-
-    open_clip.add_model_config(os.path.join(os.path.dirname(__file__), "assets"))
-except ImportError:  # pragma: no cover - open_clip is a dev dependency
-    open_clip = None
-from vtc.media.video import synthetic_video  # noqa: E402
-
-FAMILIES = tiny.FAMILIES
-QUESTIONS = ("What happens in this video?", "How many objects are visible in the whole clip, and which one moves?")
-NUM_FRAMES = 8
-
-
-@functools.lru_cache(maxsize=None)
-def model_and_processor(family: str, dtype: torch.dtype = torch.float32):
-    return tiny.build(family, dtype=dtype)
-
-
-@functools.lru_cache(maxsize=None)
-def videos():
-    """Two clips of different sizes (so a batch needs padding)."""
-    return synthetic_video(32, 224, 224, seed=0), synthetic_video(24, 160, 200, seed=1)
-
-
-@functools.lru_cache(maxsize=None)
-def single_inputs(family: str, which: int = 0):
-    _, processor = model_and_processor(family)
-    return vtc.prepare_inputs(processor, videos()[which], QUESTIONS[which], num_frames=NUM_FRAMES, fps=8)
-
-
-@functools.lru_cache(maxsize=None)
-def batch_inputs(family: str):
-    _, processor = model_and_processor(family)
-    return vtc.prepare_inputs(processor, list(videos()), list(QUESTIONS), num_frames=NUM_FRAMES, fps=8)
+register_tiny_clip()  # quota-clip tests use the tiny random CLIP architecture
+collect_ignore = ["plugin_example"]  # an installable example package; tests/test_plugin_package.py runs it
 
 
 @pytest.fixture(autouse=True)
@@ -67,22 +44,10 @@ def family(request):
 
 
 def grid_tokens(embeds: torch.Tensor, grid: tuple[int, int, int], mrope: bool = False) -> vtc.VideoTokens:
-    """One video's tokens on a full (T, H, W) grid in raster order, as the adapters hand them to connect plugins
-    (positions: the flat index, or (t, h, w) rows with `mrope`)."""
-    t, h, w = grid
-    flat = torch.arange(t * h * w)
-    frame, row, col = flat // (h * w), (flat // w) % h, flat % w
-    return vtc.VideoTokens(
-        embeds=embeds,
-        positions=torch.stack([frame, row, col]) if mrope else flat.clone(),
-        frame=frame,
-        row=row,
-        col=col,
-        weight=torch.ones(t * h * w),
-        grid=grid,
-    )
+    """One video's tokens on a full (T, H, W) grid in raster order, as the adapters hand them to connect plugins."""
+    return vtc.VideoTokens.from_grid(embeds, grid, mrope=mrope)
 
 
 def reducing_methods() -> list[str]:
-    """Every installed method that changes visual tokens (the invariant matrix runs on all of them)."""
+    """Every installed method that changes visual tokens (the conformance matrix runs on all of them)."""
     return [info.name for info in vtc.methods() if info.reduces_tokens]

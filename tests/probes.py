@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 import vtc
 from vtc.core.hookspecs import hookimpl
+from vtc.core.pipeline import Pipeline
+from vtc.core.registry import MethodInfo, Registry
+from vtc.core.stats import StatsRecorder
+from vtc.hf.adapters import resolve_adapter
+from vtc.hf.patching import ModelPatch
 
 
 def llm_inputs(model, inputs, method: str | None = None, **kwargs):
@@ -31,13 +38,18 @@ def llm_inputs(model, inputs, method: str | None = None, **kwargs):
     return seen["embeds"][0], seen["positions"], handle
 
 
-class ConnectSpy:
-    """A connect plugin that asks for the vision statistics `stats` (and the pre-pool features with
-    `needs_prepool`), records the tokens and context it is given, and keeps everything."""
+@dataclasses.dataclass
+class SpyParams:
+    pass
 
-    def __init__(self, stats=(), needs_prepool: bool = False):
+
+class ConnectSpy:
+    """A connect plugin that asks for the vision statistics `stats` (and the pre-pool features with `prepool`),
+    records the tokens and context it is given, and keeps everything."""
+
+    def __init__(self, stats=(), prepool: bool = False):
         self.stats = list(stats)
-        self.needs_prepool = needs_prepool
+        self.prepool = prepool
         self.seen = []
 
     def vision_stats(self, family):
@@ -50,18 +62,30 @@ class ConnectSpy:
 
 
 def install_spy(model, spy: ConnectSpy):
-    """Patch with `random` at retention 1 and swap its plugin object for the spy before the hooks install;
+    """Install the spy as the only method of a pipeline (declared like any plugin, through its own registry);
     returns the installed `ModelPatch` (remove it with `.remove()`)."""
-    pipeline = vtc.api.Pipeline("random", retention=1.0)
-    pipeline.entries[0].plugin = spy
-    patch = vtc.api.ModelPatch(vtc.api.resolve_adapter(model), pipeline, vtc.api.StatsRecorder())
+    info = MethodInfo(
+        name="spy",
+        factory=lambda params, retention: spy,
+        params=SpyParams,
+        stages=("connect",),
+        paper="test probe",
+        reduces_tokens=False,
+        vision_stats=True,
+        prepool=spy.prepool,
+    )
+    methods = Registry()
+    methods.add(info)
+    adapter = resolve_adapter(model)
+    pipeline = Pipeline("spy", methods=methods, family=adapter.family)
+    patch = ModelPatch(adapter, pipeline, StatsRecorder())
     patch.install()
     return patch
 
 
-def connect_inputs(model, inputs, stats=(), needs_prepool: bool = False):
+def connect_inputs(model, inputs, stats=(), prepool: bool = False):
     """(VideoTokens, Context) a connect plugin asking for `stats` receives for the first video of `inputs`."""
-    spy = ConnectSpy(stats, needs_prepool)
+    spy = ConnectSpy(stats, prepool)
     patch = install_spy(model, spy)
     try:
         with torch.no_grad():

@@ -14,19 +14,21 @@ import torch.nn.functional as F
 
 import vtc
 from tests.conftest import batch_inputs, grid_tokens, model_and_processor, single_inputs
+from vtc.core.geometry import default_geometry
 from vtc.core.tokens import Context
 from vtc.core.vision_stats import VisionStat
 from vtc_plugins.aot import (
     AOT,
+    SIGLIP_TOKENS,
     AOTParams,
     anchor_budget,
     anchors_on_grid,
     clip_segments,
     fixed_total,
+    frame_count_for,
     grid_coords,
     intra_ot_merge,
     ota_merge_time,
-    pool_mask,
     residual_count,
     select_anchors,
     temporal_merge,
@@ -36,6 +38,9 @@ from vtc_plugins.aot import (
 )
 
 SHALLOW, DEEP = VisionStat("received", 5), VisionStat("received", -2)
+# the tiny test towers have 2 layers: AOT's official shallow layer 5 does not exist there
+TINY = vtc.registry()["aot"].test_params
+TINY_SHALLOW = VisionStat("received", TINY["shallow_layer"])
 
 
 # --- a loop re-derivation of the official code (llava_arch.py) ------------------------------------------------------
@@ -196,7 +201,13 @@ def onevision_video(frames=32, dim=16, seed=0, dtype=torch.float64):
 
 
 def onevision_context(grid, shallow, deep):
-    return Context(family="llava_onevision", prepool=grid, pool=bilinear_pool, vision={SHALLOW: shallow, DEEP: deep})
+    return Context(
+        family="llava_onevision",
+        geometry=default_geometry("llava_onevision"),
+        prepool=grid,
+        pool=bilinear_pool,
+        vision={SHALLOW: shallow, DEEP: deep},
+    )
 
 
 # --- defaults and budgets -------------------------------------------------------------------------------------------
@@ -209,14 +220,32 @@ def test_defaults_match_the_official_scripts():
     assert (p.shallow_layer, p.deep_layer, p.windows) == (5, -2, 3)
     assert not p.fixed_count and p.compute_dtype is None
     plugin = AOT(p, None)
-    assert plugin.budget(32, "llava_onevision") == (126, 0.3, 4, True)  # eval_ov-7b.sh, MVBench / EgoSchema
-    assert plugin.budget(64, "llava_onevision") == (126, 0.3, 8, True)
-    assert AOT(AOTParams(setting="videomme"), None).budget(32, "llava_onevision") == (108, 0.1, 4, True)
-    assert plugin.budget(64, "llava_next_video") == (180, 0.3, 8, False)  # eval_vid-7b.sh: inter off, 180
-    assert plugin.vision_stats("qwen2_vl") == [SHALLOW, DEEP] and AOT.needs_prepool
+    # eval_ov-7b.sh, MVBench / EgoSchema: 32 frames -> clips of 4, 64 -> clips of 8
+    assert plugin.budget((32, 14, 14), "llava_onevision") == (126, 0.3, 4, True)
+    assert plugin.budget((64, 14, 14), "llava_onevision") == (126, 0.3, 8, True)
+    assert AOT(AOTParams(setting="videomme"), None).budget((32, 14, 14), "llava_onevision") == (108, 0.1, 4, True)
+    # eval_vid-7b.sh: inter off, 180 (the pooling-before-projector family runs without the inter-frame step)
+    assert plugin.budget((64, 12, 12), "llava_next_video") == (180, 0.3, 8, False)
+    assert plugin.vision_stats("qwen2_vl") == [SHALLOW, DEEP]
     for bad in ({"visual_token_num": 0}, {"keep_ratio": 1.5}, {"setting": "x"}, {"clip_frames": 0}, {"epsilon": 0}):
         with pytest.raises(ValueError, match="aot"):
             AOTParams(**bad)
+
+
+def test_method_info_declares_the_capabilities():
+    info = vtc.registry()["aot"]
+    assert info.stages == ("connect",) and info.reduces_tokens
+    assert info.fixed_count and info.fixed_count_mode == "optional"
+    assert info.vision_stats and info.prepool  # attention maps + LLaVA's pre-pool 27 x 27 grid
+    assert not info.needs_whole_frames and not info.acts_during_decode and not info.query_aware
+    assert info.position_policy == "compact" and info.retention_reference == "llm_input"
+    assert info.retention_granularity == 9 and "window" in info.retention_note
+    assert set(info.conformance_exemptions) == {"retention", "ordered_positions"}
+    assert info.test_params == {"shallow_layer": 1}
+    # the plugin object offers exactly the declared capabilities, and no legacy attributes
+    plugin = AOT(AOTParams(), 0.2)
+    assert callable(plugin.retained_count) and callable(plugin.vision_stats)
+    assert not hasattr(plugin, "needs_prepool") and not hasattr(plugin, "last_kept")
 
 
 def test_anchor_budgets():
@@ -231,30 +260,101 @@ def test_anchor_budgets():
     assert anchors_on_grid(60, 0.5, 3, 3) == 9  # windows of one cell give what they have
 
 
-def test_retention_mapping_reproduces_the_official_points():
-    # with the inter-frame step at 32 frames (clips of 4) the "10 %" runs are the two script settings
-    assert visual_token_num_for(0.10, "mvbench", 0.3, 4, True) == 126
-    assert visual_token_num_for(0.10, "videomme", 0.1, 4, True) == 108
-    assert [visual_token_num_for(r, "mvbench", 0.3, 4, True) for r in (0.15, 0.2, 0.25)] == [189, 252, 315]
-    # without it, eval_vid-7b.sh's 180 at "25 %"
-    assert visual_token_num_for(0.25, "mvbench", 0.3, 4, False) == 180
-    assert visual_token_num_for(0.25, "mvbench", 0.3, 1, True) == 180  # one-frame clips: no inter step
-    # other clip lengths keep the estimated retention: V/729 * inter factor is the same as at 32 frames
-    v8 = visual_token_num_for(0.10, "mvbench", 0.3, 8, True)
-    assert abs(v8 / 729 * (2 + 0.3 * 7) / 8 - 126 / 729 * 2.9 / 4) < 1e-3
-    assert visual_token_num_for(0.9, "mvbench", 0.3, 4, True) == 729  # capped: the intra step keeps everything
-    assert AOT(AOTParams(), 0.2).budget(32, "llava_onevision") == (252, 0.3, 4, True)
-    assert AOT(AOTParams(visual_token_num=90, keep_ratio=0.2), 0.2).budget(32, "qwen2_vl") == (90, 0.2, 4, True)
-    assert AOT(AOTParams(clip_frames=2, inter_compress=False), None).budget(32, "qwen2_vl") == (180, 0.3, 2, False)
+def test_frame_count_for():
+    # LLaVA (pre-pool 27 x 27 grid): the anchors' share of the 729 patches, on the token grid
+    assert frame_count_for(126, 14, 14, True) == round(126 / 729 * 196) == 34
+    assert frame_count_for(100, 14, 14, True) == round(95 / 729 * 196)
+    assert frame_count_for(729, 14, 14, True) == 196 and frame_count_for(1, 14, 14, True) == 1
+    # Qwen (no pre-pool grid): the anchors picked on the token grid itself, V scaled to its size
+    vg = round(243 * 6 * 9 / 729)
+    assert frame_count_for(243, 6, 9, False) == anchors_on_grid(vg, 0.5, 6, 9)
+    assert frame_count_for(729, 6, 9, False) == 54
+    # monotone in V (the retention rule searches a monotone sequence)
+    for prepool, (h, w) in ((True, (14, 14)), (True, (12, 12)), (False, (6, 9)), (False, (14, 14))):
+        counts = [frame_count_for(v, h, w, prepool) for v in range(1, SIGLIP_TOKENS + 1)]
+        assert counts == sorted(counts) and counts[-1] == h * w
+
+
+RULE_CASES = [
+    # (grid, keep_ratio, clip, inter, prepool_grid)
+    ((32, 14, 14), 0.3, 4, True, True),  # LLaVA-OV, eval_ov-7b.sh MVBench setting
+    ((32, 14, 14), 0.1, 4, True, True),  # ... Video-MME setting
+    ((16, 12, 12), 0.3, 2, False, True),  # LLaVA-NeXT-Video, no inter-frame step
+    ((8, 6, 9), 0.3, 1, True, False),  # Qwen token grid, one-frame clips
+    ((8, 14, 14), 0.5, 2, True, False),
+    ((10, 7, 7), 0.3, 4, True, False),  # a short last clip
+]
+
+
+def _rule_total(v, grid, keep, clip, inter, prepool):
+    t, h, w = grid
+    return fixed_total(frame_count_for(v, h, w, prepool), t, clip, keep, inter)
+
+
+@pytest.mark.parametrize("grid,keep,clip,inter,prepool", RULE_CASES)
+def test_retention_rule_minimises_the_miss(grid, keep, clip, inter, prepool):
+    """visual_token_num_for returns the V whose fixed-count total is closest to round(r N), smaller V on ties
+    (brute force over every V), and that total is within one 3 x 3-window step per frame of r N."""
+    t, h, w = grid
+    n = t * h * w
+    totals = {v: _rule_total(v, grid, keep, clip, inter, prepool) for v in range(1, SIGLIP_TOKENS + 1)}
+    steps = [totals[v + 1] - totals[v] for v in range(1, SIGLIP_TOKENS)]
+    assert min(steps) >= 0  # the totals are monotone in V
+    granularity = vtc.registry()["aot"].retention_granularity
+    for r in (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.5):
+        v = visual_token_num_for(r, grid, keep, clip, inter, prepool)
+        target = round(r * n)
+        miss = abs(totals[v] - target)
+        best = min(abs(x - target) for x in totals.values())
+        assert miss == best
+        assert v == min(u for u, x in totals.items() if abs(x - target) == best)  # ties: the smaller V
+        if totals[1] <= target <= totals[SIGLIP_TOKENS]:  # reachable: the nearest step of a monotone sequence
+            assert miss <= max(steps) / 2
+            assert miss <= granularity * t  # one window step per frame
+    # retention 1.0 without the inter-frame step: every token of every frame
+    full = visual_token_num_for(1.0, grid, keep, clip, False, prepool)
+    assert frame_count_for(full, h, w, prepool) == h * w and _rule_total(full, grid, keep, clip, False, prepool) == n
+
+
+def test_retention_mapping_feeds_the_budget_and_the_fixed_count():
+    v = visual_token_num_for(0.2, (32, 14, 14), 0.3, 4, True, True)
+    assert AOT(AOTParams(), 0.2).budget((32, 14, 14), "llava_onevision") == (v, 0.3, 4, True)
+    # the same retention on a Qwen grid searches the token-grid anchor counts instead
+    vq = visual_token_num_for(0.2, (8, 6, 9), 0.3, 1, True, False)
+    assert AOT(AOTParams(), 0.2).budget((8, 6, 9), "qwen2_vl") == (vq, 0.3, 1, True)
+    # the inter-frame step keeps more per frame than without it at the same retention
+    assert v > visual_token_num_for(0.2, (32, 14, 14), 0.3, 4, False, True)
+    # explicit parameters win over the retention; without a retention the script settings apply
+    explicit = AOT(AOTParams(visual_token_num=90, keep_ratio=0.2), 0.2)
+    assert explicit.budget((32, 6, 9), "qwen2_vl") == (90, 0.2, 4, True)
+    no_inter = AOT(AOTParams(clip_frames=2, inter_compress=False), None)
+    assert no_inter.budget((32, 6, 9), "qwen2_vl") == (180, 0.3, 2, False)
+    assert AOT(AOTParams(clip_frames=1), None).budget((32, 6, 9), "qwen2_vl") == (180, 0.3, 1, True)  # no inter step
+    # fixed-count mode: retained_count is the rule's total, within one window step per frame of r N
+    cases = (("llava_onevision", (32, 14, 14)), ("llava_next_video", (16, 12, 12)), ("qwen2_vl", (8, 6, 9)))
+    for family, grid in cases:
+        t, h, w = grid
+        prepool = default_geometry(family).has_prepool_grid
+        for r in (0.1, 0.25, 0.5):
+            plugin = AOT(AOTParams(fixed_count=True), r)
+            vr, keep, clip, inter = plugin.budget(grid, family)
+            count = plugin.retained_count(t * h * w, grid, family)
+            assert count == _rule_total(vr, grid, keep, clip, inter, prepool)
+            assert abs(count - r * t * h * w) <= 9 * t
+            # an input an earlier method thinned: the count depends on what is left, no promise
+            assert plugin.retained_count(t * h * w - 1, grid, family) is None
 
 
 def test_retention_one_returns_the_input_tokens():
     grid, shallow, deep = onevision_video(frames=8, dim=8)
     tokens = grid_tokens(bilinear_pool(grid).reshape(-1, 8), (8, 14, 14))
     plugin = AOT(AOTParams(), 1.0)
-    assert plugin.vtc_connect(tokens=tokens, ctx=onevision_context(grid, shallow, deep)) is tokens
-    assert plugin.retained_count(1568, (8, 14, 14)) == 1568 and plugin.last_kept == [1568]
-    assert AOT(AOTParams(), 0.3).retained_count(1568, (8, 14, 14)) is None  # adaptive by default
+    ctx = onevision_context(grid, shallow, deep)
+    assert plugin.vtc_connect(tokens=tokens, ctx=ctx) is tokens
+    assert ctx.reports == {}  # nothing decided: no budget reported
+    assert plugin.retained_count(1568, (8, 14, 14), "llava_onevision") == 1568
+    assert plugin.retained_count(1000, (8, 14, 14), "llava_onevision") == 1000  # keeps whatever it gets
+    assert AOT(AOTParams(), 0.3).retained_count(1568, (8, 14, 14), "llava_onevision") is None  # adaptive by default
 
 
 # --- intra-frame --------------------------------------------------------------------------------------------------
@@ -341,9 +441,14 @@ def test_intra_update_by_hand():
 
 def test_pooled_mask_rule():
     # bilinear 27 -> 14 (the official `get_2dPool_index`), against the interpolation written out by hand
+    onevision = default_geometry("llava_onevision")
     g = torch.Generator().manual_seed(0)
     mask = torch.rand(2, 27, 27, generator=g) < 0.3
-    value = pool_mask(mask, (14, 14))
+    flat = onevision.pool_grid(mask.float(), (14, 14))
+    assert flat.shape == (2, 196)
+    value = flat.view(2, 14, 14)
+    # the same as the model's pooling of features (a 1-channel feature map), and as F.interpolate itself
+    torch.testing.assert_close(value, bilinear_pool(mask.float()[..., None])[..., 0], rtol=0, atol=0)
     scale = 27 / 14
     for f in range(2):
         for i in range(14):
@@ -360,13 +465,24 @@ def test_pooled_mask_rule():
                     + wy * wx * m[y1, x1]
                 )
                 assert abs(float(value[f, i, j]) - float(expect)) < 1e-5
-    assert bool((pool_mask(torch.ones(1, 27, 27, dtype=torch.bool), (14, 14)) >= 0.5).all())
+    assert bool((onevision.pool_grid(torch.ones(1, 27, 27), (14, 14)) >= 0.5).all())
+    # the tower-value path (to_token_grid) pools the same way: [F, 729] -> [F, 196]
+    torch.testing.assert_close(onevision.to_token_grid(mask.float().reshape(2, 729), (14, 14)), flat, rtol=0, atol=0)
     # average pooling (LLaVA-NeXT-Video): a 2x2 cell needs two anchors
+    nextvideo = default_geometry("llava_next_video")
+    assert nextvideo.pooling == "average"
     m = torch.zeros(1, 4, 4, dtype=torch.bool)
     m[0, 0, 0] = True  # cell (0, 0): one anchor -> 0.25
     m[0, 0, 2] = m[0, 1, 3] = True  # cell (0, 1): two -> 0.5
     m[0, 2:, 2:] = True  # cell (1, 1): four -> 1
-    assert (pool_mask(m, (2, 2), "average") >= 0.5).tolist() == [[[False, True], [False, True]]]
+    avg = nextvideo.pool_grid(m.float(), (2, 2))
+    assert avg.tolist() == [[0.25, 0.5, 0.0, 1.0]]
+    assert (avg.view(1, 2, 2) >= 0.5).tolist() == [[[False, True], [False, True]]]
+    # max pooling (spatial_pool_mode="max"): one anchor in a cell is enough
+    assert (nextvideo.pool_grid(m.float(), (2, 2), "max") >= 0.5).tolist() == [[True, True, False, True]]
+    torch.testing.assert_close(
+        nextvideo.pool_grid(m.float(), (2, 2)), F.avg_pool2d(m.float()[:, None], 2).reshape(1, 4), rtol=0, atol=0
+    )
 
 
 # --- inter-frame --------------------------------------------------------------------------------------------------
@@ -435,14 +551,18 @@ def test_onevision_connect_matches_the_official_pipeline(seed, setting):
     grid, shallow, deep = onevision_video(seed=seed)
     tokens = grid_tokens(bilinear_pool(grid).reshape(-1, 16), (32, 14, 14))
     plugin = AOT(AOTParams(setting=setting), None)
-    out = plugin.vtc_connect(tokens=tokens, ctx=onevision_context(grid, shallow, deep))
+    ctx = onevision_context(grid, shallow, deep)
+    out = plugin.vtc_connect(tokens=tokens, ctx=ctx)
     v, keep = {"mvbench": (126, 0.3), "videomme": (108, 0.1)}[setting]
     ref, pooled_mask = ref_aot_onevision(grid, shallow, deep, v, keep, 4)
     assert out.embeds.shape == ref.shape
     torch.testing.assert_close(out.embeds, ref, rtol=1e-9, atol=1e-9)
-    assert plugin.last_kept == [len(ref)]
-    # per clip: the anchor frame's kept cells twice, around the residuals of the next three frames
+    assert ctx.reports == {"budget": [(v, keep, 4, True)]}  # one report for the one video
+    # per clip of 4: the anchor frame's kept cells twice, the quantile's residuals of each of the 3 others
     kept = pooled_mask.sum(1).tolist()
+    per_frame = out.frame.bincount(minlength=32).tolist()
+    assert per_frame == [2 * n if f % 4 == 0 else residual_count(n, keep) for f, n in enumerate(kept)]
+    # per clip: the anchor frame's kept cells twice, around the residuals of the next three frames
     first = out.frame[: kept[0]]
     assert bool((first == 0).all()) and out.frame[kept[0]].item() in (1, 2, 3)
     assert torch.equal(out.patch[: kept[0]], torch.nonzero(pooled_mask[0]).flatten())
@@ -454,15 +574,19 @@ def test_onevision_fixed_count_is_exact_and_content_independent():
         grid, shallow, deep = onevision_video(seed=seed, frames=16)
         tokens = grid_tokens(bilinear_pool(grid).reshape(-1, 16), (16, 14, 14))
         plugin = AOT(AOTParams(fixed_count=True), 0.15)
-        plugin.family = "llava_onevision"
-        out = plugin.vtc_connect(tokens=tokens, ctx=onevision_context(grid, shallow, deep))
-        target = plugin.retained_count(len(tokens), tokens.grid)
+        ctx = onevision_context(grid, shallow, deep)
+        out = plugin.vtc_connect(tokens=tokens, ctx=ctx)
+        target = plugin.retained_count(len(tokens), tokens.grid, "llava_onevision")
         assert len(out) == target
         counts.add(target)
-        v, keep, clip, inter = plugin.last_budget
+        ((v, keep, clip, inter),) = ctx.reports["budget"]
+        assert (v, keep, clip, inter) == plugin.budget(tokens.grid, "llava_onevision")
         k = round(anchors_on_grid(v, 0.5, 27, 27) / 729 * 196)
-        assert clip == 2 and target == fixed_total(k, 16, 2, keep, True)
+        assert clip == 2 and inter and target == fixed_total(k, 16, 2, keep, True)
+        # every frame keeps exactly k cells before the inter-frame step: anchor frames appear 2k times
+        assert out.frame.bincount(minlength=16)[::2].tolist() == [2 * k] * 8
     assert len(counts) == 1
+    assert abs(counts.pop() - 0.15 * 16 * 196) <= 9 * 16  # the retention, within one window step per frame
 
 
 def test_token_grid_path_keeps_anchors_and_mixes_side_features():
@@ -473,9 +597,10 @@ def test_token_grid_path_keeps_anchors_and_mixes_side_features():
     tokens = grid_tokens(embeds, (t, h, w))
     tokens.extras["deepstack"] = embeds.clone().float()
     shallow, deep = torch.rand(t, h * w, generator=g), torch.rand(t, h * w, generator=g)
-    ctx = Context(family="qwen2_vl", vision={SHALLOW: shallow, DEEP: deep})
+    ctx = Context(family="qwen2_vl", geometry=default_geometry("qwen2_vl"), vision={SHALLOW: shallow, DEEP: deep})
     plugin = AOT(AOTParams(visual_token_num=243, inter_compress=False), None)  # a third of the tokens
     out = plugin.vtc_connect(tokens=tokens, ctx=ctx)
+    assert ctx.reports == {"budget": [(243, 0.3, 1, False)]}
     vg = round(243 * h * w / 729)
     per_window, num_global = anchor_budget(vg, 0.5)
     mask = select_anchors(shallow, deep, h, w, per_window, num_global)
@@ -491,6 +616,16 @@ def test_token_grid_path_keeps_anchors_and_mixes_side_features():
     thinned = tokens.select(torch.nonzero(keep).flatten())
     part = plugin.vtc_connect(tokens=thinned, ctx=ctx)
     assert 0 < len(part) <= len(out) and set(part.frame.tolist()) == set(range(t))
+    # the complete frames pick the same anchors as before
+    later = out.frame > 0
+    assert torch.equal(part.frame[part.frame > 0], out.frame[later])
+    assert torch.equal(part.patch[part.frame > 0], out.patch[later])
+    # frame 0 picks its anchors among the tokens present only
+    assert set(part.patch[part.frame == 0].tolist()) <= set(range(1, h * w, 2))
+    # fixed-count mode promises a count for the full grid only (a thinned frame may hold fewer than its quota)
+    fixed = AOT(AOTParams(visual_token_num=243, inter_compress=False, fixed_count=True), None)
+    assert fixed.retained_count(len(tokens), tokens.grid, "qwen2_vl") == len(out)
+    assert fixed.retained_count(len(thinned), thinned.grid, "qwen2_vl") is None
 
 
 # --- the patched models ------------------------------------------------------------------------------------------
@@ -518,7 +653,7 @@ def test_patched_onevision_sends_the_official_tokens_to_the_llm():
     def grab(module, args, kwargs):
         seen.setdefault("embeds", kwargs["inputs_embeds"])
 
-    with vtc.patch(model, "aot", retention=0.2, clip_frames=4) as handle:
+    with vtc.patch(model, "aot", retention=0.2, clip_frames=4, **TINY) as handle:
         # registered after vtc's own hook: sees what the LLM really gets
         probe = vtc.api.resolve_adapter(model).text_model.register_forward_pre_hook(grab, with_kwargs=True)
         try:
@@ -532,11 +667,16 @@ def test_patched_onevision_sends_the_official_tokens_to_the_llm():
     ((tokens, ctx, out),) = calls
     assert ctx.prepool.shape[:3] == (8, 27, 27)
     torch.testing.assert_close(ctx.pool(ctx.prepool).reshape(-1, ctx.prepool.shape[-1]), tokens.embeds)
-    v, keep, clip, inter = plugin.last_budget
-    assert (clip, inter, keep) == (4, True, 0.3) and v == visual_token_num_for(0.2, "mvbench", 0.3, 4, True)
-    ref, _ = ref_aot_onevision(ctx.prepool, ctx.vision[SHALLOW], ctx.vision[DEEP], v, keep, 4)
+    assert ctx.family == "llava_onevision"
+    assert ctx.geometry.pooling == "bilinear" and ctx.geometry.patch_grid == (27, 27)
+    ((v, keep, clip, inter),) = stats.reports["aot"]["budget"]
+    assert (clip, inter, keep) == (4, True, 0.3)
+    assert v == visual_token_num_for(0.2, tokens.grid, 0.3, 4, True, True)
+    ref, _ = ref_aot_onevision(ctx.prepool, ctx.vision[TINY_SHALLOW], ctx.vision[DEEP], v, keep, 4)
     torch.testing.assert_close(out.embeds, ref, rtol=1e-4, atol=1e-5)
-    assert stats.visual_tokens_out == len(ref) == plugin.last_kept[0] < stats.visual_tokens_in
+    assert stats.visual_tokens_out == stats.llm_tokens_in == len(ref) == len(out) < stats.visual_tokens_in
+    (record,) = [r for r in stats.stages if r.stage == "connect" and r.plugin == "aot"]
+    assert (record.tokens_in, record.tokens_out) == (len(tokens), len(ref))
     video = inputs["input_ids"][0] == vtc.api.resolve_adapter(model).video_token_id
     start = int(torch.nonzero(video).flatten()[0])
     torch.testing.assert_close(seen["embeds"][0, start : start + len(ref)], ref.to(seen["embeds"].dtype))
@@ -545,21 +685,51 @@ def test_patched_onevision_sends_the_official_tokens_to_the_llm():
 @pytest.mark.parametrize("family", ["qwen2_vl", "llava_next_video"])
 def test_patched_fixed_count_matches_the_plan(family):
     model, _ = model_and_processor(family)
-    with vtc.patch(model, "aot", retention=0.25, fixed_count=True, clip_frames=2, inter_compress=True) as handle:
+    params = dict(fixed_count=True, clip_frames=2, inter_compress=True, **TINY)
+    with vtc.patch(model, "aot", retention=0.25, **params) as handle:
         for inputs in (single_inputs(family), batch_inputs(family)):
             with torch.no_grad():
                 model(**inputs)
             stats = handle.stats()
-            planned = sum(handle.retained_count(grid) for grid in stats.grids)
-            assert stats.visual_tokens_out == planned < stats.visual_tokens_in
+            planned = [handle.retained_count(grid) for grid in stats.grids]
+            assert stats.visual_tokens_out == sum(planned) < stats.visual_tokens_in
+            # per video (connect records, in video order) and the budget each video was given
+            records = [r for r in stats.stages if r.stage == "connect" and r.plugin == "aot"]
+            assert [r.tokens_out for r in records] == planned
+            plugin = AOT(AOTParams(**params), 0.25)
+            assert stats.reports["aot"]["budget"] == [plugin.budget(grid, family) for grid in stats.grids]
+            for grid, count in zip(stats.grids, planned):
+                t, h, w = grid
+                assert count == plugin.retained_count(t * h * w, grid, family)
 
 
-def test_last_kept_reports_every_video_of_the_last_forward():
+def test_reports_cover_every_video_of_the_last_forward():
     model, _ = model_and_processor("llava_next_video")
-    with vtc.patch(model, "aot", retention=0.3) as handle:
+    with vtc.patch(model, "aot", retention=0.3, **TINY) as handle:
         plugin = handle.pipeline.entries[0].plugin
         for inputs, videos in ((batch_inputs("llava_next_video"), 2), (single_inputs("llava_next_video"), 1)):
             with torch.no_grad():
                 model(**inputs)
-            assert len(plugin.last_kept) == videos
-            assert sum(plugin.last_kept) == handle.stats().visual_tokens_out
+            stats = handle.stats()
+            assert len(stats.grids) == stats.videos == videos
+            # one budget per video, in video order, for this forward only (no leftovers from the previous one)
+            assert stats.reports["aot"]["budget"] == [plugin.budget(grid, "llava_next_video") for grid in stats.grids]
+            records = [r for r in stats.stages if r.stage == "connect" and r.plugin == "aot"]
+            assert len(records) == videos
+            assert [r.tokens_in for r in records] == [t * h * w for t, h, w in stats.grids]
+            assert sum(r.tokens_out for r in records) == stats.llm_tokens_in == stats.visual_tokens_out
+            assert all(0 < r.tokens_out < r.tokens_in for r in records)
+
+
+def test_vision_statistics_outside_the_tower_are_refused():
+    """The official shallow layer 5 does not exist in the 2-layer tiny tower: refused at patch time, no clamp."""
+    model, _ = model_and_processor("llava_onevision")
+    adapter = vtc.api.resolve_adapter(model)
+    hooks = (len(adapter.outer._forward_pre_hooks), len(adapter.text_model._forward_pre_hooks))
+    with pytest.raises(ValueError, match="at layer 5 resolves to encoder layer 5"):
+        vtc.patch(model, "aot", retention=0.3)
+    # the model is left unpatched (no hook installed) and usable
+    assert (len(adapter.outer._forward_pre_hooks), len(adapter.text_model._forward_pre_hooks)) == hooks
+    with vtc.patch(model, "aot", retention=0.3, **TINY) as handle, torch.no_grad():
+        model(**single_inputs("llava_onevision"))
+        assert handle.stats().reports["aot"]["budget"]

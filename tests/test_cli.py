@@ -15,10 +15,45 @@ def test_methods_table_and_json(capsys):
         assert name in out
     assert main(["methods", "--json"]) == 0
     rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
-    assert rows["random"]["stages"] == ["connect"] and rows["random"]["fixed_count"] is True
-    assert rows["framefusion"]["stages"] == ["prefill"]
     assert set(rows) == {info.name for info in vtc.methods()}
-    assert rows["prunevid"]["fixed_count"] is True and rows["prunevid"]["stages"] == ["connect", "prefill"]
+    keys = {
+        "stages",
+        "fixed_count",
+        "query_aware",
+        "position_policy",
+        "owns",
+        "acts_in_llm",
+        "acts_during_decode",
+        "needs_whole_frames",
+        "vision_stats",
+        "prepool",
+        "retention_reference",
+        "retention_note",
+        "retention_granularity",
+        "conformance_exemptions",
+        "parameters",
+    }
+    for info in vtc.methods():  # every method's capabilities, as MethodInfo.capabilities() gives them
+        row = rows[info.name]
+        assert keys <= set(row), (info.name, keys - set(row))
+        assert row == json.loads(json.dumps(info.capabilities(), default=str)), info.name
+        assert row["fixed_count"] in ("always", "optional", "no")
+    assert rows["random"]["stages"] == ["connect"] and rows["random"]["fixed_count"] == "always"
+    assert rows["random"]["acts_in_llm"] is False and rows["random"]["retention_reference"] == "llm_input"
+    assert rows["framefusion"]["stages"] == ["prefill"] and rows["framefusion"]["fixed_count"] == "no"
+    assert rows["framefusion"]["retention_reference"] == "layer_mean"
+    assert rows["framefusion"]["parameters"]["num_layers"] is None
+    assert rows["framefusion"]["owns"] == ["llm_token_schedule"]
+    assert rows["fastv"]["fixed_count"] == "always" and rows["fastv"]["retention_reference"] == "last_layer"
+    assert rows["prunevid"]["fixed_count"] == "optional" and rows["prunevid"]["stages"] == ["connect", "prefill"]
+    assert rows["prunevid"]["parameters"]["fixed_count"] is False
+    dycoke = rows["dycoke"]
+    assert dycoke["acts_during_decode"] is True and dycoke["position_policy"] == "compact" and dycoke["query_aware"]
+    assert dycoke["parameters"]["shifted_pairs"] is False and "floor" in dycoke["retention_note"]
+    assert "ordered_positions" in dycoke["conformance_exemptions"]
+    assert rows["holitom"]["needs_whole_frames"] is True and rows["quota"]["needs_whole_frames"] is True
+    assert rows["uniform"]["parameters"] == {"num_frames": 16, "rule": None}
+    assert rows["uniform"]["fixed_count"] == "no" and rows["uniform"]["reduces_tokens"] is False
 
 
 def test_param_parsing():

@@ -9,8 +9,11 @@ import pytest
 import torch
 
 import vtc
-from tests.conftest import NUM_FRAMES, QUESTIONS, batch_inputs, model_and_processor, single_inputs, videos
-from tests.test_invariants import REALLOCATING, TINY_PARAMS, greedy, hook_counts, logits
+from tests.conftest import model_and_processor, single_inputs
+from vtc.testing.conformance import _greedy as greedy
+from vtc.testing.conformance import _inputs as prepared
+from vtc.testing.conformance import _logits as logits
+from vtc.testing.conformance import _patch, hook_counts
 
 COMPOSITIONS = [
     "framefusion+quota",  # sample + connect (QuoTA) then prefill (FrameFusion)
@@ -24,28 +27,22 @@ RETENTION = 0.25
 
 
 def compose(model, spec: str, retention: float):
-    params = {f"{m}.{k}": v for m in spec.split("+") for k, v in TINY_PARAMS.get(m, {}).items()}
-    return vtc.patch(model, spec, retention=retention, **params)
+    return _patch(model, spec, retention)
 
 
-def prepared(handle, family: str, which: int | None):
-    if not any("sample" in e.info.stages for e in handle.pipeline.entries):
-        return batch_inputs(family) if which is None else single_inputs(family, which)
-    _, processor = model_and_processor(family)
-    if which is None:
-        return handle.prepare(processor, list(videos()), list(QUESTIONS), num_frames=NUM_FRAMES, fps=8)
-    return handle.prepare(processor, videos()[which], QUESTIONS[which], num_frames=NUM_FRAMES, fps=8)
+def reallocates(spec: str) -> bool:
+    """A method of the spec redistributes a budget instead of keeping everything at retention 1.0 (QuoTA)."""
+    return any("identity_at_full_retention" in vtc.registry()[m].conformance_exemptions for m in spec.split("+"))
 
 
 @pytest.mark.parametrize("spec", COMPOSITIONS)
 def test_composition(spec, family):
     model, processor = model_and_processor(family)
-    names = spec.split("+")
     single = single_inputs(family)
     ref = logits(model, single)
     hooks_before = hook_counts(model)
 
-    if not REALLOCATING & set(names):
+    if not reallocates(spec):
         with compose(model, spec, 1.0) as handle:
             assert torch.equal(logits(model, single), ref)
             assert handle.stats().visual_tokens_out == handle.stats().visual_tokens_in
@@ -92,10 +89,19 @@ def test_fixed_count_composition_keeps_the_product(spec, family):
         assert stats.visual_tokens_out == sum(planned)
 
 
-def test_order_errors_are_clear():
+def test_order_errors_are_clear_and_come_at_patch_time():
     model, _ = model_and_processor("qwen2_vl")
-    with vtc.patch(model, "random+holitom", retention=RETENTION, **{"holitom.k": 2}):
-        with pytest.raises(ValueError, match="holitom: needs whole frames"):
-            logits(model, single_inputs("qwen2_vl"))
+    hooks = hook_counts(model)
+    for spec in ("random+holitom", "vidcom2+divprune+holitom"):
+        with pytest.raises(ValueError, match="holitom needs whole frames.*put holitom first"):
+            vtc.patch(model, spec, retention=RETENTION)
+    assert hook_counts(model) == hooks  # refused before anything was installed
     with pytest.raises(ValueError, match="both decide llm token schedule"):
         vtc.patch(model, "fastv+framefusion", retention=RETENTION)
+    # QuoTA also needs whole frames, but it samples frames, so its connect hook runs first whatever the spec says
+    assert [e.info.name for e in vtc.core.pipeline.Pipeline("vidcom2+quota").stage_entries("connect")] == [
+        "quota",
+        "vidcom2",
+    ]
+    with vtc.patch(model, "holitom+random", retention=RETENTION, **{"holitom.k": 2}) as handle:
+        assert [e.info.name for e in handle.pipeline.stage_entries("connect")] == ["holitom", "random"]

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import vtc
-from tests.conftest import model_and_processor, single_inputs
+from tests.conftest import grid_tokens, model_and_processor, single_inputs
 from tests.probes import llm_inputs
+from vtc.core.geometry import default_geometry
 from vtc.core.tokens import Context, VideoTokens
 from vtc_plugins.divprune import (
     DivPrune,
@@ -39,23 +40,17 @@ def official_reference(x: torch.Tensor, ratio: float) -> list[int]:
 
 
 def make_tokens(embeds: torch.Tensor) -> VideoTokens:
-    n = embeds.shape[0]
-    zeros = torch.zeros(n, dtype=torch.long)
-    return VideoTokens(
-        embeds=embeds,
-        positions=torch.arange(n),
-        frame=torch.arange(n) // 4,
-        row=zeros,
-        col=zeros,
-        weight=torch.ones(n),
-        grid=((n + 3) // 4, 2, 2),
-    )
+    """Frames of 2 x 2 tokens (n a multiple of 4), positions = flat index."""
+    return grid_tokens(embeds, (embeds.shape[0] // 4, 2, 2))
 
 
 def test_defaults_and_retention_mapping():
     assert DivPruneParams().ratio is None and DivPruneParams().compute_dtype is None
     info = vtc.registry()["divprune"]
     assert info.stages == ("connect",) and info.position_policy == "compact" and info.fixed_count
+    assert info.fixed_count_mode == "always" and not info.query_aware  # no fixed_count switch: always exact
+    assert not info.vision_stats and not info.prepool and not info.needs_whole_frames
+    assert info.retention_reference == "llm_input"
     assert DivPrune(DivPruneParams(), None).ratio == 0.098  # SUBSET_RATIO of run_Divprune.sh
     assert DivPrune(DivPruneParams(), 0.25).ratio == 0.25
     assert DivPrune(DivPruneParams(ratio=0.1), 0.25).ratio == 0.1  # explicit wins
@@ -69,7 +64,9 @@ def test_count_is_round_ratio_times_l():
     assert kept_count(25, 0.1) == 2  # round(2.5): half to even, as Python's round in the official code
     assert kept_count(35, 0.1) == 4  # round(3.5)
     assert kept_count(3, 0.098) == 1  # never zero
-    assert DivPrune(DivPruneParams(), 0.3).retained_count(1152, (8, 12, 12)) == 346
+    assert DivPrune(DivPruneParams(), 0.3).retained_count(1152, (8, 12, 12), "llava_next_video") == 346
+    assert DivPrune(DivPruneParams(), 0.3).retained_count(1152, (8, 12, 12), "qwen2_vl") == 346  # any family
+    assert DivPrune(DivPruneParams(), 0.3).retained_count(0, (8, 12, 12), "qwen2_vl") == 0  # nothing left
 
 
 def test_distance_matrix():
@@ -123,11 +120,13 @@ def test_duplicates_never_picked_twice():
 def test_plugin_identity_count_and_dtype():
     g = torch.Generator().manual_seed(9)
     tokens = make_tokens(torch.randn(40, 8, generator=g))
-    ctx = Context()
+    ctx = Context(family="llava_next_video", geometry=default_geometry("llava_next_video"))
     assert DivPrune(DivPruneParams(), 1.0).vtc_connect(tokens=tokens, ctx=ctx) is tokens
     out = DivPrune(DivPruneParams(), 0.25).vtc_connect(tokens=tokens, ctx=ctx)
     keep = divprune_keep(tokens.embeds, 10)
     assert len(out) == 10 and torch.equal(out.embeds, tokens.embeds[keep]) and torch.equal(out.positions, keep)
+    assert torch.equal(out.frame, keep // 4) and torch.equal(out.patch, keep % 4)  # grid cells follow the tokens
+    assert ctx.reports == {}  # DivPrune reports nothing: its count is len(out)
     half = make_tokens(tokens.embeds.bfloat16())
     assert len(DivPrune(DivPruneParams(), 0.25).vtc_connect(tokens=half, ctx=ctx)) == 10
     up = DivPrune(DivPruneParams(compute_dtype="float32"), 0.25).vtc_connect(tokens=half, ctx=ctx)
@@ -152,6 +151,10 @@ def test_patched_model_sees_the_chosen_tokens(family):
     out, positions, handle = llm_inputs(model, inputs, "divprune", retention=0.25)
     stats = handle.stats()
     assert stats.visual_tokens_out == keep_visual.numel() == round(0.25 * slots.numel())
+    assert [(s.stage, s.plugin, s.tokens_in, s.tokens_out) for s in stats.stages] == [
+        ("connect", "divprune", slots.numel(), keep_visual.numel())
+    ]
+    assert "divprune" not in stats.reports
     assert torch.equal(out, full[keep])
     if adapter.mrope:  # Qwen: original (t, h, w) positions of the survivors
         assert torch.equal(positions[-3:, 0], full_positions[-3:, 0][:, keep])

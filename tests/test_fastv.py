@@ -36,6 +36,13 @@ def test_defaults_and_retention_mapping():
     assert vtc.registry()["fastv"].factory(FastVParams(), 0.3).ratio == pytest.approx(0.7)
     assert vtc.registry()["fastv"].factory(FastVParams(ratio=0.25), 0.3).ratio == 0.25  # explicit wins
     assert kept_count(576, 0.75) == 144
+    # a fixed count, at the last layer: round(N (1 - R)) whatever the family and grid
+    info = vtc.registry()["fastv"]
+    assert info.fixed_count and info.fixed_count_mode == "always" and info.retention_reference == "last_layer"
+    plugin = info.factory(FastVParams(), 0.3)
+    assert plugin.retained_count(576, (4, 12, 12), "qwen2_vl") == 173
+    assert plugin.retained_count(1568, (8, 14, 14), "llava_onevision") == round(1568 * 0.3) == 470
+    assert vars(plugin) == {"params": FastVParams(), "ratio": pytest.approx(0.7)}  # parameters only
 
 
 def fastv_reference(model, inputs, k: int, ratio: float, new_tokens=None, keep=None):
@@ -70,9 +77,16 @@ def test_matches_reference_prefill_and_decode(family):
     with vtc.patch(model, "fastv", retention=0.3) as handle:
         with torch.no_grad():
             out = model(**inputs).logits
-        assert handle.stats().visual_tokens_out == keep.numel() - int(
+        stats = handle.stats()
+        assert stats.visual_tokens_out == keep.numel() - int(
             (~compressible_video_mask(model, inputs["input_ids"])).sum()
         )
+        # the promised last-layer count; layers < k see every visual token
+        (grid,) = stats.grids
+        assert stats.visual_tokens_out == handle.retained_count(grid) == round(stats.visual_tokens_in * 0.3)
+        assert stats.layer_visual_tokens == [stats.visual_tokens_in] * 2 + [stats.visual_tokens_out] * 2
+        assert stats.retention_at("last_layer") == stats.retention
+        assert stats.reports == {}  # FastV reports nothing
         gen = model.generate(
             **inputs, max_new_tokens=3, do_sample=False, output_logits=True, return_dict_in_generate=True
         )

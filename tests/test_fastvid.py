@@ -1,7 +1,7 @@
 """FastVID: DySeg, budgets and anchor quotas against loop re-derivations of the official code, the DTM merge on
-inputs whose answer is known, both official versions (LLaVA-OneVision parallel, Qwen2.5-VL) against
-re-derivations written in the official code's structure, the fixed-count mode, the retention mapping, and the
-patched models end to end."""
+inputs whose answer is known, the three official versions (LLaVA-OneVision parallel, LLaVA-Video, Qwen2.5-VL)
+against re-derivations written in the official code's structure, SigLIP's MAP head (`head=`) against HF's own
+head, the fixed-count mode, the retention mapping, and the patched models end to end."""
 
 from __future__ import annotations
 
@@ -12,21 +12,30 @@ import torch
 import torch.nn.functional as F
 
 import vtc
-from tests.conftest import batch_inputs, grid_tokens, model_and_processor, single_inputs
+import vtc.core.vision_stats as vision_stats_module
+from tests.conftest import FAMILIES, batch_inputs, grid_tokens, model_and_processor, single_inputs
 from tests.probes import connect_inputs, llm_inputs
+from vtc.core.geometry import default_geometry
 from vtc.core.tokens import Context, VideoTokens
 from vtc.core.vision_stats import VisionStat
 from vtc_plugins.fastvid import (
+    FEATURES_KIND,
     FastVID,
     FastVIDParams,
+    MAPHead,
     assemble,
     dtm_merge,
     dyseg,
     fastvid_llava,
+    fastvid_llava_video,
     fastvid_qwen25,
+    features_stat,
     fixed_target,
     llava_anchor_quotas,
     llava_frame_budget,
+    llava_video_segment_quotas,
+    load_map_head,
+    map_head_outputs,
     normalize_rows,
     qwen25_segment_quotas,
     salience_map,
@@ -199,6 +208,68 @@ def official_qwen(video, attn, glob, r, c, tau, ignore, d, p, beta):
     return out
 
 
+def official_llava_video_quotas(seg_len, frame_retain_num, d, p):
+    """The per-frame quota loops of the official LLaVA-Video code (`fastvid_llavavideo/.../modeling_qwen2.py`)."""
+    seg_retain_num = frame_retain_num * seg_len
+    seg_context_num = int(seg_retain_num * d)
+    seg_salient_num = seg_retain_num - seg_context_num
+    if seg_len == 1:
+        return [seg_salient_num], [seg_context_num]
+    chunk_size, remainder = seg_salient_num // seg_len, seg_salient_num % seg_len
+    frm_salient_num = [chunk_size + (1 if i < remainder else 0) for i in range(seg_len)]
+    temp_num = (seg_len + p - 1) // p
+    chunk_size, remainder = seg_context_num // temp_num, seg_context_num % temp_num
+    temp_context_num = [chunk_size + (1 if i < remainder else 0) for i in range(temp_num)]
+    tmp_ctx_idx = 0
+    frm_context_num = []
+    for tmp_i in range(seg_len):
+        if tmp_i % p == 0:
+            frm_context_num.append(temp_context_num[tmp_ctx_idx])
+            tmp_ctx_idx += 1
+        else:
+            frm_context_num.append(0)
+    frm_context_num.reverse()
+    assert sum(frm_salient_num) == seg_salient_num and sum(frm_context_num) == seg_context_num
+    return frm_salient_num, frm_context_num
+
+
+def official_llava_video(video, attn, glob, r, c, tau, d, p, beta):
+    """The LLaVA-Video code, in its own structure (no tie-breaking noise, no grid newlines: the token grid has
+    none in HF). Returns {token index: feature}."""
+    frames, n, dim = video.shape
+    sizes = official_segments(glob, c, tau)
+    frame_retain_num = int(n * r)
+    out = {}
+    start = 0
+    for length in sizes:
+        hidden = video[start : start + length]
+        weights = attn[start : start + length]
+        sal, ctx = official_llava_video_quotas(length, frame_retain_num, d, p)
+        salient_idx, context_idx = [], []
+        for f in range(length):
+            top = torch.topk(weights[f], sal[f]).indices if sal[f] > 0 else None
+            if ctx[f] > 0:
+                everything = torch.arange(n)
+                remaining = everything[~torch.isin(everything, top)] if top is not None else everything
+                score = density_scores(hidden[f][remaining].unsqueeze(0))
+                sampled = torch.topk(score, k=ctx[f], dim=-1).indices[0].sort().values
+                context_idx.append(remaining[sampled] + f * n)
+            if top is not None:
+                salient_idx.append(top + f * n)
+        flat = hidden.reshape(length * n, -1)
+        salient_idx = torch.cat(salient_idx)
+        for i in salient_idx.tolist():
+            out[start * n + i] = flat[i]
+        everything = torch.arange(length * n)
+        for anchors in context_idx:
+            merge = everything[~torch.isin(everything, torch.cat([salient_idx, anchors]))]
+            merged = official_merge(flat[anchors], flat[merge], beta)
+            for a, m in zip(anchors.tolist(), merged):
+                out[start * n + a] = m
+        start += length
+    return out
+
+
 def smooth_video(frames, n, dim, seed, scene_every=3):
     """Frames that drift slowly inside scenes of `scene_every` frames (so segments of several frames appear)."""
     g = torch.Generator().manual_seed(seed)
@@ -324,6 +395,55 @@ def test_qwen_version_matches_the_official_code(seed, c, tau, ignore, p):
         torch.testing.assert_close(ours[key], value)
 
 
+@pytest.mark.parametrize("seg_len", [1, 2, 3, 5, 8, 13])
+@pytest.mark.parametrize("r", [0.01, 0.1, 0.27, 0.9])
+@pytest.mark.parametrize("p", [1, 2, 4])
+def test_llava_video_quotas_match_the_official_loops(seg_len, r, p):
+    n = 169  # LLaVA-Video's 13 x 13 frame (newlines aside)
+    sal, ctx = llava_video_segment_quotas([int(n * r)] * seg_len, 0.4, p)
+    assert (sal, ctx) == official_llava_video_quotas(seg_len, int(n * r), 0.4, p)
+    assert sum(sal) + sum(ctx) == int(n * r) * seg_len  # the whole budget, no caps, no floor of 1
+
+
+def test_llava_video_quotas_against_the_qwen_version():
+    """With every frame its own sub-segment the Qwen2.5-VL quotas equal LLaVA-Video's, except where the Qwen
+    version's floor of one context token or its n // 2 cap applies (so version="qwen2_5_vl" is no substitute)."""
+    n, d, p = 169, 0.4, 4
+    for seg_len in (1, 2, 5, 8):
+        retain = [int(n * 0.1)] * seg_len
+        assert llava_video_segment_quotas(retain, d, p) == qwen25_segment_quotas(
+            retain, [n] * seg_len, [1] * seg_len, d, p
+        )
+    # int(seg_retain d) = 0: LLaVA-Video keeps no context token, Qwen2.5-VL one
+    assert llava_video_segment_quotas([2], d, p) == ([2], [0])
+    assert qwen25_segment_quotas([2], [n], [1], d, p) == ([1], [1])
+    # a context quota above n // 2 (high r, p d large): LLaVA-Video keeps it, Qwen2.5-VL caps it
+    retain = [int(n * 0.9)] * 8
+    video_sal, video_ctx = llava_video_segment_quotas(retain, d, p)
+    qwen_sal, qwen_ctx = qwen25_segment_quotas(retain, [n] * 8, [1] * 8, d, p)
+    assert max(video_ctx) > n // 2 and max(qwen_ctx) == n // 2 and sum(video_ctx) > sum(qwen_ctx)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("c,tau,p", [(8, 0.9, 4), (2, -1.0, 4), (3, 0.5, 2), (2, -1.0, 1)])
+@pytest.mark.parametrize("r", [0.1, 0.3])
+def test_llava_video_version_matches_the_official_code(seed, c, tau, p, r):
+    frames, h, w, dim = 10, 5, 6, 8
+    video, attn = smooth_video(frames, h * w, dim, seed)
+    glob = video.mean(dim=1)
+    ref = official_llava_video(video, attn, glob, r, c, tau, 0.4, p, 0.6)
+    tokens = grid_tokens(video.reshape(-1, dim), (frames, h, w))
+    idx = list(torch.arange(frames * h * w).view(frames, -1))
+    plan = fastvid_llava_video(tokens.embeds, idx, attn.flatten(), glob, r, c, tau, 0.4, p, 0.6, 4, torch.Generator())
+    out = assemble(tokens, plan, attn.flatten(), None, h * w)
+    ours = _as_dict(out)
+    assert sorted(ours) == sorted(ref) and len(out) == plan.kept
+    assert out.positions.tolist() == sorted(out.positions.tolist())
+    for key, value in ref.items():
+        torch.testing.assert_close(ours[key], value)
+    assert plan.kept == frames * int(h * w * r)  # no caps: every segment keeps its whole budget
+
+
 def test_merged_tokens_follow_the_linear_map():
     """The explicit embeds equal the linear map tokens.merge applies to side features (Qwen3-VL DeepStack)."""
     frames, h, w, dim = 6, 4, 4, 5
@@ -331,7 +451,7 @@ def test_merged_tokens_follow_the_linear_map():
     tokens = grid_tokens(video.reshape(-1, dim), (frames, h, w))
     tokens.extras["deepstack"] = tokens.embeds.clone()
     idx = list(torch.arange(frames * h * w).view(frames, -1))
-    for fn in (fastvid_llava, fastvid_qwen25):
+    for fn in (fastvid_llava, fastvid_llava_video, fastvid_qwen25):
         plan = fn(tokens.embeds, idx, attn.flatten(), video.mean(1), 0.4, c=1, tau=-1.0, generator=torch.Generator())
         assert plan.segments == [frames] and plan.merges
         out = assemble(tokens, plan, attn.flatten(), None, h * w)
@@ -352,36 +472,69 @@ def test_params_defaults_and_validation():
         0.6,
         4,
     )
-    assert p.retention_ratio is None and p.version == "auto" and not p.fixed_count
+    assert p.retention_ratio is None and p.version == "auto" and not p.fixed_count and p.head is None
     for bad in (dict(retention_ratio=0.0), dict(dyseg_c=0), dict(stprune_d=1.5), dict(dtm_p=0), dict(version="x")):
         with pytest.raises(ValueError, match="fastvid"):
             FastVIDParams(**bad)
     info = vtc.registry()["fastvid"]
     assert info.stages == ("connect",) and info.position_policy == "keep" and info.fixed_count
     assert not info.query_aware
+    assert info.fixed_count_mode == "optional" and info.vision_stats  # reads the tower's attention
+    assert not info.prepool and not info.needs_whole_frames and not info.acts_during_decode
+    assert info.retention_reference == "llm_input" and info.retention_note
 
 
 def test_retention_mapping_and_family_defaults():
     plugin = FastVID(FastVIDParams(), None)
-    assert plugin.ratio(plugin.version()) is None  # family unknown until patched
-    plugin.vision_stats("llava_onevision")
-    assert plugin.version() == "llava" and plugin.ratio("llava") == 0.10
-    qwen = FastVID(FastVIDParams(), None)
-    assert qwen.vision_stats("qwen2_5_vl") == [VisionStat("mean_query", -1)]
-    assert qwen.version() == "qwen2_5_vl" and qwen.ratio("qwen2_5_vl") == 0.27
+    assert plugin.version("llava_onevision") == "llava" and plugin.ratio("llava") == 0.10
+    assert plugin.version("llava_next_video") == "llava"  # every family that pools a tower patch grid
+    assert plugin.vision_stats("llava_onevision") == [VisionStat("received", -1)]
+    assert plugin.vision_stats("qwen2_5_vl") == [VisionStat("mean_query", -1)]
+    for family in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
+        assert plugin.version(family) == "qwen2_5_vl"
+    assert plugin.ratio("qwen2_5_vl") == 0.27
     assert FastVID(FastVIDParams(), 0.25).ratio("qwen2_5_vl") == 0.25  # r = retention
     assert FastVID(FastVIDParams(retention_ratio=0.2), 0.25).ratio("llava") == 0.2  # the parameter wins
     assert FastVID(FastVIDParams(version="llava"), None).version("qwen2_vl") == "llava"
+    video = FastVID(FastVIDParams(version="llava_video"), None)  # LLaVA-Video checkpoints: chosen by hand
+    assert video.version("llava_onevision") == "llava_video" and video.ratio("llava_video") == 0.10
+    assert FastVID(FastVIDParams(fixed_count=True, version="llava_video"), None).retained_count(
+        8 * 196, (8, 14, 14), "llava_onevision"
+    ) == 8 * int(196 * 0.10)
     assert FastVID(FastVIDParams(), None).vision_stats("llava_next_video") == [VisionStat("cls", -1)]
 
 
 def test_counts_adaptive_by_default_fixed_on_request():
     adaptive = FastVID(FastVIDParams(), 0.1)
-    assert adaptive.retained_count(32 * 196, (32, 14, 14)) is None
-    assert FastVID(FastVIDParams(), 1.0).retained_count(576, (4, 12, 12)) == 576
+    assert adaptive.retained_count(32 * 196, (32, 14, 14), "llava_onevision") is None
+    assert FastVID(FastVIDParams(), 1.0).retained_count(576, (4, 12, 12), "llava_next_video") == 576
     fixed = FastVID(FastVIDParams(fixed_count=True), 0.1)
-    assert fixed.retained_count(32 * 196, (32, 14, 14)) == 32 * 19
-    assert fixed_target(100, (32, 14, 14), 0.1) == 10  # a thinned video: int(N r)
+    assert fixed.retained_count(32 * 196, (32, 14, 14), "llava_onevision") == 32 * 19
+    assert fixed.retained_count(32 * 196, (32, 14, 14), "qwen2_5_vl") == 32 * 19  # retention sets r everywhere
+    assert fixed.retained_count(100, (32, 14, 14), "llava_onevision") == 10  # a thinned video: int(N r)
+    assert fixed_target(100, (32, 14, 14), 0.1) == 10
+
+
+def test_fixed_count_is_a_pure_function_of_family_grid_and_params():
+    """Serving engines ask for the count before any model runs: no side effect of `vision_stats` (which vtc calls
+    at patch time) may change it, and without a retention the family picks the official default ratio."""
+    n, grid = 8 * 196, (8, 14, 14)
+    for retention in (0.25, None):
+        plugin = FastVID(FastVIDParams(fixed_count=True), retention)
+        before = {f: plugin.retained_count(n, grid, f) for f in FAMILIES}
+        for family in FAMILIES:
+            plugin.vision_stats(family)
+        assert {f: plugin.retained_count(n, grid, f) for f in FAMILIES} == before
+        fresh = FastVID(FastVIDParams(fixed_count=True), retention)
+        assert {f: fresh.retained_count(n, grid, f) for f in FAMILIES} == before
+        if retention is not None:
+            assert set(before.values()) == {8 * int(196 * 0.25)}
+    default = FastVID(FastVIDParams(fixed_count=True), None)
+    llava = default.retained_count(n, grid, "llava_onevision")
+    qwen = default.retained_count(n, grid, "qwen2_5_vl")
+    assert llava == 8 * int(196 * 0.10) and qwen == 8 * int(196 * 0.27) and llava != qwen
+    default.vision_stats("qwen2_5_vl")  # the first contract learned the family here; now it changes nothing
+    assert default.retained_count(n, grid, "llava_onevision") == llava
 
 
 @pytest.mark.parametrize("family", ["llava_onevision", "qwen2_5_vl"])
@@ -391,16 +544,20 @@ def test_fixed_count_is_exact_and_tops_up_by_salience(family):
     tokens = grid_tokens(video.reshape(-1, dim).float(), (frames, h, w), mrope=family.startswith("qwen"))
     stat = VisionStat("mean_query", -1) if family.startswith("qwen") else VisionStat("received", -1)
     vision = {stat: attn.float() * (h * w if stat.kind == "received" else 1)}
-    ctx = Context(family=family, vision=vision, generator=torch.Generator().manual_seed(0))
+    geometry = default_geometry(family)
+    ctx = Context(family=family, geometry=geometry, vision=vision, generator=torch.Generator().manual_seed(0))
     kw = dict(dyseg_c=1, dyseg_tau=-1.0)
     adaptive = FastVID(FastVIDParams(**kw), 0.3)
     out = adaptive.vtc_connect(tokens=tokens, ctx=ctx)
+    (plan,) = ctx.reports["plan"]  # one plan for the one video
+    assert plan.kept == len(out) and plan.segments == [frames]
     fixed = FastVID(FastVIDParams(fixed_count=True, **kw), 0.3)
-    ctx = Context(family=family, vision=vision, generator=torch.Generator().manual_seed(0))
+    ctx = Context(family=family, geometry=geometry, vision=vision, generator=torch.Generator().manual_seed(0))
     out_fixed = fixed.vtc_connect(tokens=tokens, ctx=ctx)
+    (fixed_plan,) = ctx.reports["plan"]
     target = frames * int(h * w * 0.3)
-    assert adaptive.last_kept == [len(out)] and fixed.last_kept == [len(out_fixed)] == [target]
-    assert fixed.retained_count(len(tokens), tokens.grid) == target
+    assert len(out_fixed) == target and fixed_plan.kept == plan.kept  # same plan, reconciled to the target
+    assert fixed.retained_count(len(tokens), tokens.grid, family) == target
     assert len(out) <= target
     kept = set(_keys(out))
     added = [k for k in _keys(out_fixed) if k not in kept]
@@ -419,30 +576,38 @@ def _keys(out: VideoTokens) -> list[int]:
 
 def test_full_retention_keeps_the_tokens_object():
     tokens = grid_tokens(torch.randn(32, 4), (2, 4, 4))
-    ctx = Context(family="llava_onevision", vision={VisionStat("received", -1): torch.rand(2, 16)})
+    ctx = Context(
+        family="llava_onevision",
+        geometry=default_geometry("llava_onevision"),
+        vision={VisionStat("received", -1): torch.rand(2, 16)},
+    )
     plugin = FastVID(FastVIDParams(), 1.0)
-    assert plugin.vtc_connect(tokens=tokens, ctx=ctx) is tokens and plugin.last_kept == [32]
+    assert plugin.vtc_connect(tokens=tokens, ctx=ctx) is tokens and len(tokens) == 32
+    assert "plan" not in ctx.reports  # nothing planned: every token kept as it is
+    assert plugin.retained_count(32, (2, 4, 4), "llava_onevision") == 32
 
 
 def test_salience_maps_per_family():
     g = torch.Generator().manual_seed(0)
     received = torch.rand(3, 729, generator=g)
-    out = salience_map({VisionStat("received", -1): received}, "llava_onevision", (14, 14))
+    out = salience_map({VisionStat("received", -1): received}, default_geometry("llava_onevision"), (14, 14))
     ref = F.interpolate((received / 729).reshape(3, 1, 27, 27), size=[14, 14], mode="bilinear").reshape(3, 196)
     torch.testing.assert_close(out, ref)  # get_attn_2dPool of the official code
     cls = torch.rand(3, 4, 577, generator=g)
-    out = salience_map({VisionStat("cls", -1): cls}, "llava_next_video", (12, 12))
+    out = salience_map({VisionStat("cls", -1): cls}, default_geometry("llava_next_video"), (12, 12))
     ref = F.avg_pool2d(cls.mean(dim=1)[:, 1:].reshape(3, 1, 24, 24), 2).reshape(3, 144)
     torch.testing.assert_close(out, ref)
     mq = torch.rand(2, 36, generator=g)
-    assert torch.equal(salience_map({VisionStat("mean_query", -1): mq}, "qwen2_5_vl", (6, 6)), mq)
+    assert torch.equal(salience_map({VisionStat("mean_query", -1): mq}, default_geometry("qwen2_5_vl"), (6, 6)), mq)
 
 
 # --- the patched models -------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", ["llava_onevision", "qwen2_5_vl"])
-def test_patched_model_sees_the_plan_on_the_models_statistics(family):
+@pytest.mark.parametrize(
+    "family,version", [("llava_onevision", "auto"), ("llava_onevision", "llava_video"), ("qwen2_5_vl", "auto")]
+)
+def test_patched_model_sees_the_plan_on_the_models_statistics(family, version):
     """The LLM receives exactly the plan the pure function makes from the model's own statistics (the tiny
     models' flat synthetic frames tie many densities, so the tie-breaking noise comes from the same seeded
     generator vtc hands the plugin), in the original order and, on LLaVA, at the original positions."""
@@ -450,20 +615,28 @@ def test_patched_model_sees_the_plan_on_the_models_statistics(family):
     inputs = single_inputs(family)
     tokens, ctx = connect_inputs(model, inputs, FastVID(FastVIDParams(), None).vision_stats(family))
     t, h, w = tokens.grid
-    salience = salience_map(ctx.vision, family, (h, w))[tokens.frame, tokens.patch]
+    salience = salience_map(ctx.vision, ctx.geometry, (h, w))[tokens.frame, tokens.patch]
     idx = list(torch.arange(t * h * w).view(t, -1))
     glob = tokens.embeds.reshape(t, h * w, -1).mean(1)
     kw = dict(c=2, tau=-1.0, generator=torch.Generator().manual_seed(0))  # c = 2: a multi-frame segment
     if family.startswith("qwen"):
         plan = fastvid_qwen25(tokens.embeds, idx, salience, glob, 0.3, **kw)
+    elif version == "llava_video":
+        plan = fastvid_llava_video(tokens.embeds, idx, salience, glob, 0.3, **kw)
     else:
         plan = fastvid_llava(tokens.embeds, idx, salience, glob, 0.3, **kw)
     assert any(length > 1 for length in plan.segments) and plan.merges
     expected = assemble(tokens, plan, salience, None, h * w)
     full_embeds, full_positions, _ = llm_inputs(model, inputs)
-    out, positions, handle = llm_inputs(model, inputs, "fastvid", retention=0.3, dyseg_c=2, dyseg_tau=-1.0)
-    plugin = handle.pipeline.entries[0].plugin
-    assert sum(plugin.last_kept) == len(expected) == plan.kept and plugin.last_plans[0].segments == plan.segments
+    params = dict(dyseg_c=2, dyseg_tau=-1.0, version=version)
+    out, positions, handle = llm_inputs(model, inputs, "fastvid", retention=0.3, **params)
+    stats = handle.stats()
+    (reported,) = stats.reports["fastvid"]["plan"]  # one video: one plan
+    assert stats.llm_tokens_in == len(expected) == plan.kept == reported.kept
+    assert reported.segments == plan.segments
+    assert [(s.stage, s.plugin, s.tokens_in, s.tokens_out) for s in stats.stages] == [
+        ("connect", "fastvid", t * h * w, plan.kept)
+    ]
     video_mask = inputs["input_ids"][0] == vtc.api.resolve_adapter(model).video_token_id
     slots = torch.nonzero(video_mask).flatten()[: t * h * w]
     keep = torch.tensor(_keys(expected))
@@ -482,15 +655,20 @@ def test_patched_model_sees_the_plan_on_the_models_statistics(family):
     )
 
 
-def test_last_kept_reports_every_video_of_the_last_forward():
+def test_reports_cover_every_video_of_the_last_forward():
+    """One plan per video, in video order, for the last forward only; each connect call keeps its plan's count."""
     model, _ = model_and_processor("llava_onevision")
     with vtc.patch(model, "fastvid", retention=0.3) as handle:
-        plugin = handle.pipeline.entries[0].plugin
         for inputs, videos in ((batch_inputs("llava_onevision"), 2), (single_inputs("llava_onevision"), 1)):
             with torch.no_grad():
                 model(**inputs)
-            assert len(plugin.last_kept) == videos
-            assert sum(plugin.last_kept) == handle.stats().visual_tokens_out
+            stats = handle.stats()
+            plans = stats.reports["fastvid"]["plan"]
+            connect = [s for s in stats.stages if s.stage == "connect"]
+            assert len(plans) == len(connect) == stats.videos == videos
+            assert [p.kept for p in plans] == [s.tokens_out for s in connect]
+            assert [s.tokens_in for s in connect] == [t * h * w for t, h, w in stats.grids]
+            assert sum(p.kept for p in plans) == stats.llm_tokens_in == stats.visual_tokens_out
 
 
 def test_exact_count_on_every_frame_grid():
@@ -500,3 +678,260 @@ def test_exact_count_on_every_frame_grid():
         with torch.no_grad():
             model(**single_inputs("llava_next_video"))
         assert handle.stats().visual_tokens_out == 8 * math.floor(144 * 0.25)
+
+
+# --- SigLIP's MAP head (head=) ------------------------------------------------------------------------------------
+
+# the tiny LLaVA-OneVision tower (vtc.testing.tiny): SigLIP 64 wide, 4 heads, 384 / 14 -> 27 x 27 patches
+TINY_SIGLIP = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4)
+HAS_FEATURES = FEATURES_KIND in vision_stats_module.KINDS  # the core captures the tower's hidden states
+
+
+def save_siglip(path, seed: int = 0, vision_use_head: bool = True, width: int = 64):
+    """A random SigLIP checkpoint (vision + text, like google/siglip-so400m-patch14-384) saved at `path`;
+    returns its vision half."""
+    from transformers import SiglipConfig, SiglipModel
+
+    torch.manual_seed(seed)
+    vision = dict(TINY_SIGLIP, hidden_size=width, image_size=384, patch_size=14, vision_use_head=vision_use_head)
+    text = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, vocab_size=64)
+    model = SiglipModel(SiglipConfig(text_config=text, vision_config=vision)).eval()
+    model.save_pretrained(path)
+    return model.vision_model
+
+
+@pytest.fixture(scope="module")
+def siglip(tmp_path_factory):
+    """(checkpoint path, its vision model) of a tiny random SigLIP whose width fits the tiny LLaVA-OV tower."""
+    path = tmp_path_factory.mktemp("siglip") / "tiny-siglip"
+    return str(path), save_siglip(path)
+
+
+@pytest.fixture
+def features_kind(monkeypatch):
+    """VisionStat("features", -1) constructible, as the core capture it relies on provides."""
+    if not HAS_FEATURES:
+        monkeypatch.setattr(vision_stats_module, "KINDS", vision_stats_module.KINDS + (FEATURES_KIND,))
+
+
+def hf_head(vision, features):
+    """(pooled, probe attention [F, L]) of HF's own SigLIP head on features, the weights read by a forward hook on
+    its `nn.MultiheadAttention` (HF's head.forward discards them)."""
+    seen = {}
+
+    def grab(module, args, out):
+        seen["w"] = out[1]  # returns None: the output is left as it is
+
+    hook = vision.head.attention.register_forward_hook(grab)
+    try:
+        with torch.no_grad():
+            pooled = vision.head(vision.post_layernorm(features))
+    finally:
+        hook.remove()
+    return pooled, seen["w"][:, 0]
+
+
+def test_map_head_equals_hfs_head_and_its_attention(siglip):
+    path, vision = siglip
+    post_layernorm, head = load_map_head(path)  # a SiglipModel checkpoint: the text half is ignored
+    for name, param in head.state_dict().items():
+        assert torch.equal(param, vision.head.state_dict()[name]), name
+    assert torch.equal(post_layernorm.weight, vision.post_layernorm.weight)
+    features = torch.randn(5, 729, 64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        pooled, weights = map_head_outputs(post_layernorm, head, features)
+    ref_pooled, ref_weights = hf_head(vision, features)
+    assert torch.equal(pooled, ref_pooled) and torch.equal(weights, ref_weights)
+    assert pooled.shape == (5, 64) and weights.shape == (5, 729)
+    # the weights: softmax per head of the probe's query against the keys, then the mean over the 4 heads
+    x = vision.post_layernorm(features)
+    w_q, w_k, _ = head.attention.in_proj_weight.chunk(3)
+    b_q, b_k, _ = head.attention.in_proj_bias.chunk(3)
+    q = (head.probe @ w_q.T + b_q).view(1, 4, 16).transpose(0, 1)  # [heads, 1, 16]
+    k = (x @ w_k.T + b_k).view(5, 729, 4, 16).permute(0, 2, 1, 3)  # [F, heads, L, 16]
+    manual = torch.softmax(q @ k.transpose(-1, -2) / 4.0, dim=-1).mean(dim=1)[:, 0]
+    torch.testing.assert_close(weights, manual.detach())
+    torch.testing.assert_close(weights.sum(dim=-1), torch.ones(5))
+
+
+def test_map_head_runs_in_the_features_dtype(siglip):
+    path, vision = siglip
+    head = MAPHead(path)
+    features = torch.randn(3, 729, 64, generator=torch.Generator().manual_seed(2))
+    pooled, weights = head(features.bfloat16())
+    assert pooled.dtype == weights.dtype == torch.bfloat16  # no upcast, as the official fp16 run
+    ref_pooled, ref_weights = hf_head(vision.to(torch.bfloat16), features.bfloat16())
+    vision.float()
+    assert torch.equal(pooled, ref_pooled) and torch.equal(weights, ref_weights)
+    assert head.head.probe.dtype == torch.float32  # the loaded copy stays; each dtype gets its own cast
+    assert head(features)[0].dtype == torch.float32
+
+
+def video_features(model, inputs):
+    """The tower output the projector receives, per frame: hidden_states[vision_feature_layer] [F, 729, D]."""
+    pixels = inputs["pixel_values_videos"]
+    with torch.no_grad():
+        out = model.model.vision_tower(pixels.flatten(0, 1), output_hidden_states=True)
+    return out.hidden_states[model.config.vision_feature_layer]
+
+
+def head_plan(vision, tokens, features, r, version="llava", **kw):
+    """The plan FastVID should make with the head: salience = the probe attention 27x27 -> bilinear 14x14 (the
+    official get_attn_2dPool), frame feature = the head's pooled output; and the salience per token."""
+    t, h, w = tokens.grid
+    pooled, weights = hf_head(vision, features)
+    salience = F.interpolate(weights.reshape(t, 1, 27, 27), size=[h, w], mode="bilinear").reshape(t, h * w)
+    salience = salience[tokens.frame, tokens.patch]
+    idx = list(torch.arange(t * h * w).view(t, -1))
+    fn = fastvid_llava_video if version == "llava_video" else fastvid_llava
+    plan = fn(tokens.embeds, idx, salience, pooled, r, generator=torch.Generator().manual_seed(0), **kw)
+    return plan, salience
+
+
+def same_plan(a, b):
+    assert a.segments == b.segments and torch.equal(a.salient, b.salient) and len(a.merges) == len(b.merges)
+    for x, y in zip(a.merges, b.merges):
+        assert torch.equal(x.anchors, y.anchors) and torch.equal(x.members, y.members)
+        torch.testing.assert_close(x.embeds, y.embeds)
+
+
+@pytest.mark.parametrize("version", ["llava", "llava_video"])
+def test_head_gives_fastvid_its_salience_and_frame_feature(siglip, features_kind, version):
+    """On the tiny LLaVA-OneVision model's own tower output, the plugin's plan is the plan made from HF's head
+    by hand; without head= the same context gives the fallback plan (attention received, token means)."""
+    path, vision = siglip
+    model, _ = model_and_processor("llava_onevision")
+    inputs = single_inputs("llava_onevision")
+    tokens, ctx = connect_inputs(model, inputs, [VisionStat("received", -1)])
+    features = video_features(model, inputs)
+    ctx.vision[features_stat()] = features
+    kw = dict(dyseg_c=2, dyseg_tau=-1.0, version=version)  # one cut: at the lowest MAP-feature similarity
+    plugin = FastVID(FastVIDParams(head=path, **kw), 0.3)
+    assert plugin.vision_stats("llava_onevision") == [VisionStat(FEATURES_KIND, -1)]
+    ctx.generator = torch.Generator().manual_seed(0)
+    out = plugin.vtc_connect(tokens=tokens, ctx=ctx)
+    (plan,) = ctx.reports["plan"]
+    expected, salience = head_plan(vision, tokens, features, 0.3, version, c=2, tau=-1.0)
+    same_plan(plan, expected)
+    assert any(length > 1 for length in plan.segments) and plan.merges
+    ref = assemble(tokens, expected, salience, None, tokens.grid[1] * tokens.grid[2])
+    assert torch.equal(out.positions, ref.positions)
+    torch.testing.assert_close(out.embeds, ref.embeds)
+    # fixed count: reconciled by the head's salience
+    fixed = FastVID(FastVIDParams(head=path, fixed_count=True, **kw), 0.3)
+    ctx.generator, ctx.reports = torch.Generator().manual_seed(0), {}
+    out_fixed = fixed.vtc_connect(tokens=tokens, ctx=ctx)
+    ref_fixed = assemble(tokens, expected, salience, fixed_target(len(tokens), tokens.grid, 0.3), tokens.grid[1] ** 2)
+    assert len(out_fixed) == fixed.retained_count(len(tokens), tokens.grid, "llava_onevision")
+    assert torch.equal(out_fixed.positions, ref_fixed.positions)
+    # the fallback ignores the features: salience from the attention received, frame feature = token mean
+    ctx.generator, ctx.reports = torch.Generator().manual_seed(0), {}
+    FastVID(FastVIDParams(**kw), 0.3).vtc_connect(tokens=tokens, ctx=ctx)
+    (fallback,) = ctx.reports["plan"]
+    t, h, w = tokens.grid
+    fb_salience = salience_map(ctx.vision, ctx.geometry, (h, w))[tokens.frame, tokens.patch]
+    glob = tokens.embeds.reshape(t, h * w, -1).mean(1)
+    fn = fastvid_llava_video if version == "llava_video" else fastvid_llava
+    idx = list(torch.arange(t * h * w).view(t, -1))
+    gen = torch.Generator().manual_seed(0)
+    same_plan(fallback, fn(tokens.embeds, idx, fb_salience, glob, 0.3, c=2, tau=-1.0, generator=gen))
+    assert not torch.equal(fallback.salient, plan.salient)  # the head's salience is not the attention's
+
+
+def test_head_frame_features_follow_the_frames_present(siglip, features_kind):
+    """After an earlier plugin dropped whole frames, DySeg compares the MAP features of the frames left."""
+    path, vision = siglip
+    features = torch.randn(4, 729, 64, generator=torch.Generator().manual_seed(3))
+    grid = (4, 14, 14)
+    full = grid_tokens(torch.randn(4 * 196, 8, generator=torch.Generator().manual_seed(4)), grid)
+    tokens = full.select(torch.nonzero((full.frame != 1)).flatten())  # frame 1 gone
+    ctx = Context(
+        family="llava_onevision",
+        geometry=default_geometry("llava_onevision"),
+        vision={features_stat(): features},
+        generator=torch.Generator().manual_seed(0),
+    )
+    FastVID(FastVIDParams(head=path, dyseg_c=2, dyseg_tau=-1.0), 0.3).vtc_connect(tokens=tokens, ctx=ctx)
+    (plan,) = ctx.reports["plan"]
+    pooled, _ = hf_head(vision, features)
+    sim = (normalize_rows(pooled)[[0, 2]] * normalize_rows(pooled)[[2, 3]]).sum(dim=1)
+    assert plan.segments == ([1, 2] if sim[0] < sim[1] else [2, 1])
+
+
+@pytest.mark.skipif(not HAS_FEATURES, reason="the core does not capture VisionStat('features') yet")
+def test_patched_model_uses_the_head_end_to_end(siglip):
+    """vtc.patch(model, "fastvid", head=...) on LLaVA-OneVision: the LLM receives the plan made from HF's head on
+    the tower output the projector receives."""
+    path, vision = siglip
+    model, _ = model_and_processor("llava_onevision")
+    inputs = single_inputs("llava_onevision")
+    tokens, _ = connect_inputs(model, inputs)
+    expected, salience = head_plan(vision, tokens, video_features(model, inputs), 0.3, c=2, tau=-1.0)
+    ref = assemble(tokens, expected, salience, None, tokens.grid[1] * tokens.grid[2])
+    full, _, _ = llm_inputs(model, inputs)
+    out, _, handle = llm_inputs(model, inputs, "fastvid", retention=0.3, dyseg_c=2, dyseg_tau=-1.0, head=path)
+    stats = handle.stats()
+    (plan,) = stats.reports["fastvid"]["plan"]
+    same_plan(plan, expected)
+    assert stats.llm_tokens_in == len(ref) == plan.kept
+    slots = torch.nonzero(inputs["input_ids"][0] == vtc.api.resolve_adapter(model).video_token_id).flatten()
+    start, dropped = int(slots[0]), len(tokens) - len(ref)
+    assert out.shape[0] == full.shape[0] - dropped
+    torch.testing.assert_close(out[start : start + len(ref)], ref.embeds)  # the video's kept tokens, in order
+    assert torch.equal(out[:start], full[:start]) and torch.equal(out[start + len(ref) :], full[start + len(tokens) :])
+
+
+def test_head_errors_name_the_checkpoint_and_the_families(siglip, tmp_path, features_kind):
+    path, _ = siglip
+    with pytest.raises(ValueError, match="head must be"):
+        FastVIDParams(head="")
+    missing = str(tmp_path / "no-such-siglip")
+    with pytest.raises(ValueError, match=f"could not load the SigLIP MAP head from head='{missing}'"):
+        FastVID(FastVIDParams(head=missing), None).vision_stats("llava_onevision")
+    headless = tmp_path / "siglip-without-head"
+    save_siglip(headless, vision_use_head=False)
+    with pytest.raises(ValueError, match="has no SigLIP attention-pooling head"):
+        FastVID(FastVIDParams(head=str(headless)), None).vision_stats("llava_onevision")
+    for family in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava_next_video"):
+        with pytest.raises(ValueError, match=f"applies to llava_onevision .*not to {family}"):
+            FastVID(FastVIDParams(head=path), None).vision_stats(family)
+    plugin = FastVID(FastVIDParams(head=path), None)
+    assert plugin._head is None
+    plugin.vision_stats("llava_onevision")  # loads once, at patch time
+    loaded = plugin._head
+    plugin.vision_stats("llava_onevision")
+    assert plugin._head is loaded and loaded.name == path
+    # at the forward: a tower of another width, a context without the features
+    wide = tmp_path / "wide-siglip"
+    save_siglip(wide, width=32)
+    tokens = grid_tokens(torch.randn(2 * 196, 8), (2, 14, 14))
+    ctx = Context(
+        family="llava_onevision",
+        geometry=default_geometry("llava_onevision"),
+        vision={features_stat(): torch.randn(2, 729, 64)},
+        generator=torch.Generator(),
+    )
+    with pytest.raises(ValueError, match="32 wide but the vision tower's features are 64"):
+        FastVID(FastVIDParams(head=str(wide)), 0.3).vtc_connect(tokens=tokens, ctx=ctx)
+    ctx.vision = {}
+    with pytest.raises(RuntimeError, match="this context has none"):
+        FastVID(FastVIDParams(head=path), 0.3).vtc_connect(tokens=tokens, ctx=ctx)
+    ctx.geometry = default_geometry("llava_next_video")
+    with pytest.raises(ValueError, match="not to llava_next_video"):
+        FastVID(FastVIDParams(head=path), 0.3).vtc_connect(tokens=tokens, ctx=ctx)
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "llava_next_video"])
+def test_head_on_another_family_fails_at_patch_time(siglip, family):
+    path, _ = siglip
+    model, _ = model_and_processor(family)
+    with pytest.raises(ValueError, match=f"applies to llava_onevision .*not to {family}"):
+        vtc.patch(model, "fastvid", head=path)
+    assert vtc.api.resolve_adapter(model).outer._forward_pre_hooks == {}  # nothing was installed
+
+
+def test_head_without_the_core_capture_says_so(siglip, monkeypatch):
+    path, _ = siglip
+    monkeypatch.setattr(vision_stats_module, "KINDS", tuple(k for k in vision_stats_module.KINDS if k != "features"))
+    with pytest.raises(RuntimeError, match="does not capture"):
+        FastVID(FastVIDParams(head=path), None).vision_stats("llava_onevision")

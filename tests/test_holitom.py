@@ -12,9 +12,12 @@ import torch
 import torch.nn.functional as F
 
 import vtc
-from tests.conftest import FAMILIES, model_and_processor, single_inputs
+from tests.conftest import FAMILIES, batch_inputs, grid_tokens, model_and_processor, single_inputs
 from tests.reference import CAPTURED, ManualLLM, compressible_video_mask, last_rows_attention, start
+from vtc.core.geometry import FamilyGeometry, default_geometry
+from vtc.core.tokens import Context
 from vtc_plugins.holitom import (
+    RECEIVED,
     HoliTom,
     HoliTomParams,
     adjusted_ratio,
@@ -217,11 +220,32 @@ def test_dp_segmentation_matches_loops_and_brute_force(seed):
     assert all(b[0] == a[1] + 1 for a, b in zip(windows[:-1], windows[1:]))
 
 
-def test_frame_similarity_is_the_official_normalised_cosine():
-    x = torch.randn(4, 6, 8, generator=torch.Generator().manual_seed(0))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_frame_similarity_is_the_official_normalised_cosine(dtype):
+    """Bit-identical to the official `F.normalize` then `F.cosine_similarity`, in the features' dtype: the DP
+    segmentation compares it with tau by `>`, so one ulp can move a window boundary."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 6, 8, generator=g)
+    x[1, 2] = x[0, 2]  # identical tokens (cosine 1 up to rounding)
+    x[3, 4] = -x[2, 4]  # opposite tokens
+    x[2, 0] = 0.0  # a zero token: the eps of F.normalize / cosine_similarity decides
+    x[4, 1] = x[3, 1] * 1e4  # same direction, very different norms
+    x[0, 5] = x[0, 5] * 1e-3
+    x = x.to(dtype)
     normed = F.normalize(x, p=2, dim=-1)
-    expected = torch.stack([F.cosine_similarity(normed[t], normed[t + 1], dim=-1) for t in range(3)])
-    torch.testing.assert_close(frame_similarity(x), expected)
+    expected = torch.stack([F.cosine_similarity(normed[t], normed[t + 1], dim=-1) for t in range(4)])
+    got = frame_similarity(x)
+    assert got.dtype == dtype and got.shape == (4, 6)
+    # bit-identical, not just close (NaN where the official code gives NaN: float16's eps underflows to 0)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)
+    assert bool(torch.isnan(got).any()) == (dtype == torch.float16)
+    if dtype != torch.float16:
+        assert float(got[2, 0]) == 0.0 and float(got[1, 0]) == 0.0  # the zero token: 0, not NaN
+    # the whole segmentation sees exactly the official similarities
+    if dtype == torch.float16:
+        return
+    counts = static_window_counts(got.float(), 0.8)
+    assert segment_windows(counts) == official_windows(expected.float(), 0.8, 1024)
 
 
 # --- clustering, budgets, the whole outer merge ------------------------------------------------------------------
@@ -322,16 +346,26 @@ def test_fixed_count_reconciles_both_ways():
 
 
 def test_attention_pooled_to_the_token_grid():
+    # LLaVA-OneVision: SigLIP 27 x 27, bilinear to 14 x 14 (the official `get_2dPool` of the attention)
     received = torch.rand(3, 27 * 27)
-    pooled = attention_on_grid(received, 14, 14, "bilinear")
+    pooled = attention_on_grid(received, default_geometry("llava_onevision"), (14, 14))
     expected = F.interpolate(received.reshape(3, 1, 27, 27), size=(14, 14), mode="bilinear").reshape(3, 196)
-    torch.testing.assert_close(pooled, expected)
+    torch.testing.assert_close(pooled, expected, rtol=0, atol=0)
+    # LLaVA-NeXT-Video: CLIP CLS + 24 x 24, the CLS dropped, the model's 2 x 2 pooler (average, or max per config)
     clip = torch.rand(2, 1 + 24 * 24)
-    pooled = attention_on_grid(clip, 12, 12, "average")
+    nextvideo = default_geometry("llava_next_video")
+    pooled = attention_on_grid(clip, nextvideo, (12, 12))
     expected = F.avg_pool2d(clip[:, 1:].reshape(2, 1, 24, 24), 2).reshape(2, 144)
-    torch.testing.assert_close(pooled, expected)
+    torch.testing.assert_close(pooled, expected, rtol=0, atol=0)
+    maxpool = FamilyGeometry("llava_next_video", mrope=False, patch_grid=(24, 24), cls_tokens=1, pooling="max")
+    expected = F.max_pool2d(clip[:, 1:].reshape(2, 1, 24, 24), 2).reshape(2, 144)
+    assert torch.equal(attention_on_grid(clip, maxpool, (12, 12)), expected)
+    with pytest.raises(ValueError, match="tower tokens per frame"):  # a map that does not fit the patch grid
+        attention_on_grid(torch.rand(2, 24 * 24), nextvideo, (12, 12))
+    # Qwen: statistics already per LLM token, unchanged (float32)
     qwen = torch.rand(4, 12 * 12)
-    assert torch.equal(attention_on_grid(qwen, 12, 12, "bilinear"), qwen)
+    assert torch.equal(attention_on_grid(qwen, default_geometry("qwen2_vl"), (12, 12)), qwen)
+    assert attention_on_grid(qwen.half(), default_geometry("qwen2_vl"), (12, 12)).dtype == torch.float32
 
 
 # --- inner merge -----------------------------------------------------------------------------------------------
@@ -364,10 +398,20 @@ def test_inner_kept_count():
     assert inner_kept_count(1, 0.5) == 1 and inner_kept_count(0, 0.5) == 0
 
 
-def holitom_inner_reference(model, inputs, k, r, new_tokens=None, decision=None):
+def prompt_bidirectional_mask(prompt_len: int, length: int) -> torch.Tensor:
+    """[L, L] (True = may attend): the prompt's rows see every prompt token, later ones included; generated tokens
+    (rows past the prompt) stay causal. What the official run under SDPA does at layer k - 1 (its forward skips
+    the causal mask, `output_attentions=True` sends that layer to eager attention with no mask; decode steps
+    have one query row, which sees everything either way)."""
+    mask = torch.ones(length, length, dtype=torch.bool).tril()
+    mask[:prompt_len, :prompt_len] = True
+    return mask
+
+
+def holitom_inner_reference(model, inputs, k, r, new_tokens=None, decision=None, bidirectional=False):
     """The official inner merge, batch 1, on the model's full visual tokens: layers < k unchanged; at layer k keep
     the top round(N (1 - r)) by the head-mean last-token attention of layer k - 1, fold the others in sequentially,
-    drop them (positions kept)."""
+    drop them (positions kept). `bidirectional`: layer k - 1 runs without the causal mask over the prompt."""
     prompt_len = inputs["input_ids"].shape[1]
     ref, inputs, x, hidden, cos, sin, visual = start(model, inputs, new_tokens)
     with ref.capturing(), torch.no_grad():
@@ -382,7 +426,10 @@ def holitom_inner_reference(model, inputs, k, r, new_tokens=None, decision=None)
                 keep = keep[keep < prompt_len]
                 full_keep = torch.cat([keep, torch.arange(prompt_len, hidden.shape[1])])
                 hidden, cos, sin = merged[None][:, full_keep], cos[:, full_keep], sin[:, full_keep]
-            hidden = ref.attention_block(i, hidden, cos, sin)
+            mask = None
+            if bidirectional and i == k - 1:
+                mask = prompt_bidirectional_mask(prompt_len, hidden.shape[1])
+            hidden = ref.attention_block(i, hidden, cos, sin, mask)
             hidden = ref.mlp_block(i, hidden)
             hidden = ref.deepstack(i, hidden, x.get("visual_pos_masks", [None])[0], x.get("deepstack_visual_embeds"))
         return ref.logits(hidden), decision
@@ -411,8 +458,48 @@ def test_inner_merge_matches_reference_prefill_and_decode(family):
         torch.testing.assert_close(gen.logits[step], step_logits[:, -1], atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava_onevision"])
+def test_bidirectional_layer_matches_the_non_causal_reference(family):
+    """bidirectional_layer=True: layer k - 1 (whose attention HoliTom reads) attends without the causal mask, as
+    the official SDPA run; the default stays causal; the two differ."""
+    model, _ = model_and_processor(family)
+    inputs = single_inputs(family)
+    causal_ref, decision = holitom_inner_reference(model, inputs, k=2, r=0.5)
+    bidir_ref, bidir_decision = holitom_inner_reference(model, inputs, k=2, r=0.5, bidirectional=True)
+    # the last prompt row sees every key either way: the same tokens are kept, only the hidden states change
+    assert torch.equal(decision, bidir_decision)
+    logits = {}
+    for flag in (False, True):
+        with vtc.patch(model, "holitom", retain_ratio=1.0, r=0.5, k=2, bidirectional_layer=flag) as handle:
+            with torch.no_grad():
+                logits[flag] = model(**inputs).logits
+            stats = handle.stats()
+            n_visual = stats.llm_tokens_in
+            assert stats.reports["holitom"]["kept"] == [round(n_visual * 0.5)] == [stats.visual_tokens_out]
+            gen = model.generate(
+                **inputs, max_new_tokens=2, do_sample=False, output_logits=True, return_dict_in_generate=True
+            )
+        if flag:
+            torch.testing.assert_close(logits[flag], bidir_ref, atol=2e-5, rtol=1e-4)  # every prompt row
+            # decoding continues the non-causal prefill's cache: the reference re-runs it with the new token
+            new = gen.sequences[:, inputs["input_ids"].shape[1] :]
+            step_logits, _ = holitom_inner_reference(
+                model, inputs, 2, 0.5, new_tokens=new[:, :1], decision=decision, bidirectional=True
+            )
+            torch.testing.assert_close(gen.logits[1], step_logits[:, -1], atol=2e-5, rtol=1e-4)
+        else:
+            torch.testing.assert_close(logits[flag], causal_ref, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(gen.logits[0], logits[flag][:, -1], atol=2e-5, rtol=1e-4)
+    # the flag does something: the references differ well beyond the tolerance, and so do the patched runs
+    assert float((bidir_ref - causal_ref).abs().max()) > 1e-2
+    assert float((logits[True] - logits[False]).abs().max()) > 1e-2
+    # the unpatched model is causal: without the flag nothing changes outside vtc
+    assert HoliTomParams().bidirectional_layer is False
+
+
 def layer0_inputs(model, inputs, **params):
-    """(hidden, cos, sin) entering decoder layer 0 of the patched model (the outer merge's output)."""
+    """(hidden, cos, sin) entering decoder layer 0 of the patched model (the outer merge's output), and the
+    forward's stats."""
     seen = {}
 
     def probe(module, args, kwargs):
@@ -426,9 +513,9 @@ def layer0_inputs(model, inputs, **params):
                 model(**inputs)
         finally:
             hook.remove()
-        plugin = handle.pipeline.entries[-1].plugin
+        stats = handle.stats()
     hidden, (cos, sin) = seen["x"]
-    return hidden, cos, sin, plugin
+    return hidden, cos, sin, stats
 
 
 @pytest.mark.parametrize("family", ["llava_onevision", "qwen2_vl"])
@@ -438,8 +525,10 @@ def test_outer_then_inner_matches_reference(family):
     model, _ = model_and_processor(family)
     inputs = single_inputs(family)
     hidden, cos, sin, outer = layer0_inputs(model, inputs, retention=0.25, r=0.0, k=2)
-    kept_outer = outer.last_kept[0]
-    assert kept_outer == len(outer.last_plans[-1])
+    ((plan,),) = [outer.reports["holitom"]["plan"]]  # one OuterPlan for the one video
+    kept_outer = len(plan)
+    assert outer.llm_tokens_in == outer.visual_tokens_out == kept_outer < outer.visual_tokens_in
+    assert "kept" not in outer.reports["holitom"]  # r = 0: no inner merge, nothing reported in the LLM
     ref = ManualLLM(model)
     adapter = vtc.api.resolve_adapter(model)
     video_id = adapter.video_token_id
@@ -460,10 +549,12 @@ def test_outer_then_inner_matches_reference(family):
         with torch.no_grad():
             out = model(**inputs).logits
         stats = handle.stats()
-        plugin = handle.pipeline.entries[-1].plugin
     assert stats.llm_tokens_in == kept_outer
     assert stats.layer_visual_tokens == [kept_outer] * 2 + [round(kept_outer * 0.5)] * 2
-    assert plugin.last_kept == [stats.visual_tokens_out]
+    assert stats.reports["holitom"]["kept"] == [stats.visual_tokens_out]  # one batch row
+    # the same (seeded) outer plan as the r = 0 run
+    ((again,),) = [stats.reports["holitom"]["plan"]]
+    assert torch.equal(again.anchors, plan.anchors) and again.windows == plan.windows
     torch.testing.assert_close(out[:, -1], ref_logits[:, -1], atol=2e-5, rtol=1e-4)
 
 
@@ -490,7 +581,9 @@ def test_defaults_and_retention_mapping():
     assert (explicit.retain_ratio, explicit.tau, explicit.r) == (0.2, 0.7, 0.25)
     identity = HoliTom(p, 1.0)
     assert identity.r == 0.0 and not identity.outer_active and identity.vision_stats("qwen2_vl") == []
-    assert identity.retained_count(1568, (8, 14, 14)) == 1568
+    assert identity.retained_count(1568, (8, 14, 14), "llava_onevision") == 1568
+    assert identity.retained_count(700, (8, 14, 14), "qwen2_vl") == 700  # keeps whatever reaches it
+    assert not p.bidirectional_layer  # causal by default (the eager / official-attention reading)
     with pytest.raises(ValueError, match="retain_ratio"):
         HoliTomParams(retain_ratio=0.0)
     with pytest.raises(ValueError, match="r \\(fraction merged"):
@@ -501,9 +594,10 @@ def test_defaults_and_retention_mapping():
 
 def test_fixed_count_depends_only_on_the_grid():
     plugin = HoliTom(HoliTomParams(fixed_count=True), 0.25)
-    assert plugin.retained_count(1568, (8, 14, 14)) == inner_kept_count(392, 0.5) == 196
-    assert HoliTom(HoliTomParams(), 0.25).retained_count(1568, (8, 14, 14)) is None  # adaptive default
-    assert HoliTom(HoliTomParams(fixed_count=True, r=0.0), 0.25).retained_count(1568, (8, 14, 14)) == 392
+    for family in ("llava_onevision", "qwen2_vl"):  # the count does not depend on the family either
+        assert plugin.retained_count(1568, (8, 14, 14), family) == inner_kept_count(392, 0.5) == 196
+    assert HoliTom(HoliTomParams(), 0.25).retained_count(1568, (8, 14, 14), "qwen2_vl") is None  # adaptive default
+    assert HoliTom(HoliTomParams(fixed_count=True, r=0.0), 0.25).retained_count(1568, (8, 14, 14), "qwen2_vl") == 392
     for family in ("llava_onevision", "qwen2_5_vl"):
         model, _ = model_and_processor(family)
         with vtc.patch(model, "holitom", retention=0.25, k=2, fixed_count=True) as handle:
@@ -514,15 +608,21 @@ def test_fixed_count_depends_only_on_the_grid():
                 t, h, w = stats.grids[0]
                 assert stats.llm_tokens_in == round(t * h * w * 0.25)
                 assert stats.visual_tokens_out == handle.retained_count(stats.grids[0])
+                # the reported plan (reconciled) and inner-merge count of this forward only
+                (plan,) = stats.reports["holitom"]["plan"]
+                assert len(plan) == stats.llm_tokens_in and plan.anchors.unique().numel() == len(plan)
+                assert stats.reports["holitom"]["kept"] == [inner_kept_count(len(plan), 0.5)]
 
 
 def test_connect_returns_the_input_at_full_retention():
-    from vtc.core.tokens import Context, VideoTokens
+    from vtc.core.tokens import VideoTokens
 
     plugin = HoliTom(HoliTomParams(), 1.0)
     ones = torch.ones(4, dtype=torch.long)
     tokens = VideoTokens(torch.randn(4, 2), torch.arange(4), ones * 0, ones * 0, torch.arange(4), ones, (1, 1, 4))
-    assert plugin.vtc_connect(tokens, Context()) is tokens
+    ctx = Context()
+    assert plugin.vtc_connect(tokens, ctx) is tokens
+    assert ctx.reports == {}  # no outer merge: no plan
 
 
 def test_k_beyond_the_model_is_a_clear_error():
@@ -538,9 +638,94 @@ def test_end_to_end_stats():
         with torch.no_grad():
             model(**single_inputs("llava_onevision"))
         stats = handle.stats()
-        plugin = handle.pipeline.entries[-1].plugin
-    plan = plugin.last_plans[-1]
+    (plan,) = stats.reports["holitom"]["plan"]
     assert stats.visual_tokens_in == 8 * 14 * 14
     assert stats.llm_tokens_in == len(plan) < stats.visual_tokens_in
-    assert stats.visual_tokens_out == round(len(plan) * 0.5) == sum(plugin.last_kept)
+    assert stats.visual_tokens_out == round(len(plan) * 0.5) == sum(stats.reports["holitom"]["kept"])
+    assert len(stats.reports["holitom"]["kept"]) == 1  # one batch row
     assert plan.windows[0][0] == 0 and plan.windows[-1][1] == 7
+    (record,) = [r for r in stats.stages if r.stage == "connect" and r.plugin == "holitom"]
+    assert (record.tokens_in, record.tokens_out) == (stats.visual_tokens_in, len(plan))
+
+
+def test_reports_one_plan_per_video_and_one_count_per_row():
+    model, _ = model_and_processor("qwen2_vl")
+    with vtc.patch(model, "holitom", retention=0.25, k=2) as handle:
+        with torch.no_grad():
+            model(**batch_inputs("qwen2_vl"))
+        stats = handle.stats()
+    plans = stats.reports["holitom"]["plan"]
+    assert len(plans) == stats.videos == 2
+    records = [r for r in stats.stages if r.stage == "connect" and r.plugin == "holitom"]
+    assert [r.tokens_out for r in records] == [len(p) for p in plans]
+    assert [r.tokens_in for r in records] == [t * h * w for t, h, w in stats.grids]
+    # each plan covers its own video's frames
+    for plan, (t, h, w) in zip(plans, stats.grids):
+        assert plan.windows[0][0] == 0 and plan.windows[-1][1] == t - 1 and int(plan.anchors.max()) < t * h * w
+    kept = stats.reports["holitom"]["kept"]
+    assert kept == [inner_kept_count(len(p), 0.5) for p in plans]  # one row per video here
+    assert sum(kept) == stats.visual_tokens_out
+
+
+def test_method_info():
+    info = vtc.registry()["holitom"]
+    assert info.stages == ("connect", "prefill") and info.acts_in_llm
+    assert info.fixed_count and info.fixed_count_mode == "optional"
+    assert info.vision_stats and info.needs_whole_frames and info.query_aware
+    assert not info.prepool and not info.acts_during_decode
+    assert info.owns == frozenset({"llm_token_schedule"}) and info.position_policy == "compact"
+    assert info.retention_reference == "llm_input" and "RETAIN_RATIO" in info.retention_note
+    assert set(info.conformance_exemptions) == {"ordered_positions", "retention"}
+    assert info.test_params == {"k": 2}
+    assert HoliTom(HoliTomParams(), 0.25).vision_stats("llava_onevision") == [RECEIVED]
+
+
+def test_needs_whole_frames():
+    """A method thinning frames before HoliTom is refused when the pipeline is built; HoliTom first is fine."""
+    model, _ = model_and_processor("qwen2_vl")
+    with pytest.raises(ValueError, match="holitom needs whole frames") as err:
+        vtc.patch(model, "random+holitom", retention=0.25, k=2)
+    assert "'holitom+random'" in str(err.value)  # the message says how to fix the spec
+    with vtc.patch(model, "holitom+random", retention=0.25, k=2) as handle, torch.no_grad():
+        model(**single_inputs("qwen2_vl"))
+        assert handle.stats().llm_tokens_in < len(handle.stats().reports["holitom"]["plan"][0])
+    # called directly, the hook checks what it gets: frames dropped whole are fine, holes inside a frame are not
+    g = torch.Generator().manual_seed(0)
+    t, h, w = 4, 3, 4
+    embeds = torch.randn(t * h * w, 8, generator=g, dtype=torch.float64)
+    embeds[h * w : 2 * h * w] = embeds[: h * w] + 1e-3 * torch.randn(h * w, 8, generator=g, dtype=torch.float64)
+    attn = torch.rand(t, h * w, generator=g)
+    tokens = grid_tokens(embeds, (t, h, w), mrope=True)
+    plugin = HoliTom(HoliTomParams(), 0.5)
+
+    def context():
+        return Context(
+            family="qwen2_vl",
+            geometry=default_geometry("qwen2_vl"),
+            vision={RECEIVED: attn},
+            generator=torch.Generator().manual_seed(0),
+        )
+
+    ctx = context()
+    out = plugin.vtc_connect(tokens=tokens, ctx=ctx)
+    (plan,) = ctx.reports["plan"]
+    ref = outer_merge(embeds.view(t, h * w, 8), attn, 0.5, plugin.tau, generator=torch.Generator().manual_seed(0))
+    assert len(out) == len(plan) == len(ref) and torch.equal(plan.anchors, ref.anchors)
+    torch.testing.assert_close(out.embeds, ref.embeds)
+    assert torch.equal(out.frame * h * w + out.patch, ref.anchors)
+    # frame 2 dropped entirely by an earlier method: the plan runs on frames 0, 1, 3
+    present = torch.ones(t * h * w, dtype=torch.bool)
+    present[2 * h * w : 3 * h * w] = False
+    ctx = context()
+    part = plugin.vtc_connect(tokens=tokens.select(torch.nonzero(present).flatten()), ctx=ctx)
+    (plan,) = ctx.reports["plan"]
+    frames = torch.tensor([0, 1, 3])
+    x = embeds.view(t, h * w, 8)[frames]
+    ref = outer_merge(x, attn[frames], 0.5, plugin.tau, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(plan.anchors, ref.anchors) and 2 not in part.frame.tolist()
+    torch.testing.assert_close(part.embeds, ref.embeds)
+    assert torch.equal(part.frame, frames[ref.anchors // (h * w)]) and torch.equal(part.patch, ref.anchors % (h * w))
+    # one token missing inside frame 1: refused with a message naming the method
+    present[h * w + 5] = False
+    with pytest.raises(ValueError, match="holitom needs whole frames"):
+        plugin.vtc_connect(tokens=tokens.select(torch.nonzero(present).flatten()), ctx=context())

@@ -1,21 +1,146 @@
-"""The sample stage from user code: frame indices, video metadata, decoders giving the same frames."""
+"""The sample stage from user code: frame indices (each family's reference rule), video metadata, decoders
+giving the same frames, the family inferred from the processor or the patched model, bad inputs refused with
+what is wrong, and the typed context a sampler sees."""
 
 from __future__ import annotations
+
+import copy
+import dataclasses
 
 import numpy as np
 import pytest
 import torch
 
 import vtc
-from tests.conftest import model_and_processor, videos
-from vtc.media.video import VideoSource, available_backends, synthetic_video, uniform_indices, write_video
+from tests.conftest import FAMILIES, model_and_processor, videos
+from vtc.core.hookspecs import hookimpl
+from vtc.core.pipeline import Pipeline
+from vtc.core.registry import MethodInfo, registry
+from vtc.media.inputs import processor_family, sample_frames
+from vtc.media.video import (
+    VideoSource,
+    available_backends,
+    sampling_rule,
+    synthetic_video,
+    uniform_indices,
+    write_video,
+)
+from vtc_plugins.uniform import UniformParams
 
 
 def test_uniform_indices():
     assert uniform_indices(100, 5) == [0, 25, 50, 74, 99]
     assert uniform_indices(3, 8) == [0, 1, 2]
-    with pytest.raises(ValueError, match="must be positive"):
+    with pytest.raises(ValueError, match="number of frames must be a positive integer, got 0"):
         uniform_indices(10, 0)
+    with pytest.raises(ValueError, match="positive integer"):
+        uniform_indices(10, 2.5)
+    with pytest.raises(ValueError, match=r"the video has no frames \(total=0\)"):
+        uniform_indices(0, 4)
+    with pytest.raises(ValueError, match="frame sampling rule must be one of round, floor, got 'ceil'"):
+        uniform_indices(10, 4, rule="ceil")
+
+
+def test_uniform_indices_round_and_floor_rules():
+    # "round": qwen-vl-utils, linspace rounded; "floor": np.linspace(0, T - 1, N, dtype=int) (LLaVA, QuoTA)
+    assert uniform_indices(11, 4, rule="round") == [0, 3, 7, 10]
+    assert uniform_indices(11, 4, rule="floor") == [0, 3, 6, 10]
+    assert uniform_indices(11, 4) == [0, 3, 7, 10]  # round is the default
+    # a clip shorter than the request: round gives each frame once, floor keeps duplicates
+    assert uniform_indices(3, 5, rule="round") == [0, 1, 2]
+    assert uniform_indices(3, 5, rule="floor") == [0, 0, 1, 1, 2]
+    for total, count in ((40, 8), (100, 16), (7, 7), (1, 3), (64, 5)):
+        assert uniform_indices(total, count, "floor") == np.linspace(0, total - 1, count, dtype=int).tolist()
+        expected = (
+            np.linspace(0, total - 1, count).round().astype(int).tolist() if count < total else list(range(total))
+        )
+        assert uniform_indices(total, count, "round") == expected
+
+
+def test_sampling_rule_and_processor_family():
+    assert {f: sampling_rule(f) for f in FAMILIES} == {
+        "qwen2_vl": "round",
+        "qwen2_5_vl": "round",
+        "qwen3_vl": "round",
+        "llava_onevision": "floor",
+        "llava_next_video": "floor",
+    }
+    assert sampling_rule(None) == sampling_rule("unknown") == "round"
+    for family in FAMILIES:
+        _, processor = model_and_processor(family)
+        assert processor_family(processor) == family
+    assert processor_family(object()) is None
+
+
+def read_spy(monkeypatch) -> list[list[int]]:
+    """Record the frame indices every VideoSource.read call decodes."""
+    calls = []
+    original = VideoSource.read
+
+    def read(self, indices):
+        calls.append([int(i) for i in indices])
+        return original(self, indices)
+
+    monkeypatch.setattr(VideoSource, "read", read)
+    return calls
+
+
+def renamed(processor):
+    """The same processor under a class name vtc does not know (so no family can be read from it)."""
+    other = copy.copy(processor)
+    other.__class__ = type("CustomProcessor", (type(processor),), {})
+    assert processor_family(other) is None
+    return other
+
+
+@pytest.mark.parametrize("family, expected", [("qwen2_vl", [0, 3, 7, 10]), ("llava_onevision", [0, 3, 6, 10])])
+def test_prepare_inputs_uses_the_processor_familys_rule(family, expected, monkeypatch):
+    model, processor = model_and_processor(family)
+    clip = synthetic_video(11, 64, 64)
+    calls = read_spy(monkeypatch)
+    vtc.prepare_inputs(processor, clip, "What happens?", num_frames=4)
+    assert calls == [expected]
+    # an explicit rule of the uniform method wins over the family's
+    other = "floor" if family.startswith("qwen") else "round"
+    vtc.prepare_inputs(processor, clip, "What happens?", num_frames=4, rule=other)
+    assert calls[-1] == uniform_indices(11, 4, other)
+    # with a model, its family decides (here: the same); without a model and an unknown processor: round
+    vtc.prepare_inputs(renamed(processor), clip, "What happens?", num_frames=4, model=model)
+    assert calls[-1] == expected
+    vtc.prepare_inputs(renamed(processor), clip, "What happens?", num_frames=4)
+    assert calls[-1] == [0, 3, 7, 10]
+
+
+def test_handle_prepare_uses_the_patched_models_family(monkeypatch):
+    model, processor = model_and_processor("llava_onevision")
+    clip = synthetic_video(11, 64, 64)
+    calls = read_spy(monkeypatch)
+    with vtc.patch(model, "uniform", num_frames=4) as handle:
+        handle.prepare(renamed(processor), clip, "What happens?")
+    assert calls == [[0, 3, 6, 10]]  # floor: the model is LLaVA, whatever the processor's class
+    with vtc.patch(model, "random", retention=0.5) as handle:  # no sample stage: uniform by the family's rule
+        handle.prepare(renamed(processor), clip, "What happens?", num_frames=5)
+    assert calls[-1] == uniform_indices(11, 5, "floor") == [0, 2, 5, 7, 10]
+    # duplicates of the floor rule reach the processor as repeated frames
+    inputs = vtc.prepare_inputs(processor, synthetic_video(3, 64, 64), "What happens?", num_frames=5)
+    assert calls[-1] == [0, 0, 1, 1, 2] and inputs["pixel_values_videos"].shape[1] == 5
+
+
+def test_uniform_rule_parameter():
+    assert UniformParams().rule is None
+    with pytest.raises(ValueError, match="uniform: rule must be one of round, floor"):
+        UniformParams(rule="nearest")
+    source = VideoSource.open(synthetic_video(11, 16, 16))
+    for family, rule, expected in (
+        ("qwen2_vl", None, [0, 3, 7, 10]),
+        ("llava_next_video", None, [0, 3, 6, 10]),
+        ("qwen2_vl", "floor", [0, 3, 6, 10]),
+        ("llava_next_video", "round", [0, 3, 7, 10]),
+    ):
+        pipeline = Pipeline("uniform", params={"num_frames": 4, "rule": rule}, family=family)
+        ctx = vtc.Context(family=family)
+        assert pipeline.run_sample(source, ctx) == expected, (family, rule)
+        assert sample_frames(source, "q", pipeline, family=family).indices == expected
 
 
 def test_synthetic_video_has_cuts_static_stretch_and_motion():
@@ -53,6 +178,38 @@ def test_missing_file_and_bad_array():
         VideoSource.open(np.zeros((4, 8, 8)))
     with pytest.raises(ValueError, match="unknown video backend"):
         VideoSource.open(__file__, backend="opencv")
+
+
+def test_a_file_that_is_not_a_video_names_every_decoder(tmp_path):
+    bad = tmp_path / "notes.mp4"
+    bad.write_text("this is not a video\n")
+    with pytest.raises(ValueError) as err:
+        VideoSource.open(bad)
+    message = str(err.value)
+    assert message.startswith(f"cannot read {bad} as a video; decoders tried: ")
+    tried = message.split("decoders tried: ", 1)[1]
+    assert [part.split(":")[0] for part in tried.split("; ")] == available_backends()
+    with pytest.raises(ValueError, match=r"cannot read .*notes.mp4 as a video; decoders tried: pyav: \w+"):
+        VideoSource.open(bad, backend="pyav")
+    _, processor = model_and_processor("qwen2_vl")
+    with pytest.raises(ValueError, match=r"cannot read .*notes.mp4 as a video"):
+        vtc.prepare_inputs(processor, str(bad), "What happens?", num_frames=4)
+
+
+@pytest.mark.parametrize("num_frames", [0, -2, 2.5, True])
+def test_bad_num_frames_is_refused(num_frames):
+    _, processor = model_and_processor("qwen2_vl")
+    with pytest.raises(ValueError, match=r"num_frames must be a positive integer"):
+        vtc.prepare_inputs(processor, videos()[0], "What happens?", num_frames=num_frames, fps=8)
+
+
+@pytest.mark.parametrize("fps", [0, -1.0, float("nan"), "8"])
+def test_bad_fps_is_refused(fps):
+    _, processor = model_and_processor("qwen2_vl")
+    with pytest.raises(ValueError, match=r"fps must be a positive number"):
+        vtc.prepare_inputs(processor, videos()[0], "What happens?", num_frames=4, fps=fps)
+    with pytest.raises(ValueError, match=r"fps must be a positive number"):
+        VideoSource.open(videos()[0], fps=fps)
 
 
 def test_prepare_samples_uniformly_with_metadata(clip_path):
@@ -114,3 +271,52 @@ def test_question_reaches_query_aware_plugins():
             model(**inputs)
     assert seen["question"] == "Which shape moves?"
     assert "Which shape moves?" in processor.tokenizer.decode(seen["ids"])
+
+
+@dataclasses.dataclass
+class NoParams:
+    pass
+
+
+def test_sample_context_fields_are_typed(monkeypatch, clip_path):
+    """A sampler gets the frame request, the processor, the family and a `prepared` dict as Context fields (not
+    `ctx.extra` keys), and what it leaves in `ctx.prepared` reaches the connect stage of that prompt."""
+    seen = []
+    connect = []
+
+    class Spy:
+        @hookimpl
+        def vtc_sample(self, video, ctx):
+            seen.append(ctx)
+            ctx.prepared["t_sampler"] = {"frames": video.num_frames}
+            return [0, video.num_frames - 1]
+
+        @hookimpl
+        def vtc_connect(self, tokens, ctx):
+            connect.append(dict(ctx.prepared))
+            return tokens
+
+    info = MethodInfo(
+        name="t_sampler",
+        factory=lambda p, r: Spy(),
+        params=NoParams,
+        stages=("sample", "connect"),
+        paper="test",
+        reduces_tokens=False,
+        owns=frozenset({"frame_selection"}),
+    )
+    monkeypatch.setitem(registry()._methods, "t_sampler", info)
+    model, processor = model_and_processor("qwen2_vl")
+    vtc.prepare_inputs(processor, clip_path, "Which shape moves?", "t_sampler", num_frames=6)
+    (ctx,) = seen
+    assert (ctx.num_frames, ctx.processor, ctx.family, ctx.question) == (6, processor, "qwen2_vl", "Which shape moves?")
+    assert ctx.prepared == {"t_sampler": {"frames": 40}} and ctx.extra == {}
+    vtc.prepare_inputs(processor, clip_path, "Which shape moves?", "t_sampler")
+    assert seen[-1].num_frames is None  # no request: the method's own default
+    with vtc.patch(model, "t_sampler") as handle:
+        inputs = handle.prepare(processor, clip_path, "Which shape moves?", num_frames=2)
+        assert seen[-1].model is model and seen[-1].family == "qwen2_vl" and seen[-1].num_frames == 2
+        assert inputs["video_grid_thw"][0, 0].item() == 1  # frames 0 and 39: one temporal patch
+        with torch.no_grad():
+            model(**inputs)
+    assert connect == [{"t_sampler": {"frames": 40}}]

@@ -10,12 +10,11 @@ import torch
 from vtc_kernels import (
     adjacent_frame_similarity,
     chain_anchors,
-    chain_merge_mean,
     chain_order,
     chain_similarity,
     cosine,
-    gather_tokens,
-    scatter_mean,
+    frame_cosine,
+    mean_into_anchors,
     topk_indices,
     topk_mask,
 )
@@ -37,6 +36,25 @@ def test_cosine_and_adjacent_frames():
             assert sim[t, p].item() == pytest.approx(loop_cosine(x[t, p], x[t + 1, p]), rel=1e-12)
     a, b = x[0], x[1]
     assert torch.allclose(cosine(a, b), torch.nn.functional.cosine_similarity(a, b, dim=-1))
+
+
+def test_frame_cosine_variants_are_the_official_formulas():
+    """Each flag combination is bit-identical to the expression an official code writes."""
+    F = torch.nn.functional
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(6, 5, 16, generator=g).to(torch.bfloat16)
+    a, b = x[:-1], x[1:]
+    holitom = F.cosine_similarity(F.normalize(a, p=2, dim=-1), F.normalize(b, p=2, dim=-1), dim=-1)
+    assert torch.equal(adjacent_frame_similarity(x, normalize="eps", formula="torch"), holitom)
+    assert torch.equal(frame_cosine(a, b, formula="torch"), F.cosine_similarity(a, b, dim=-1))  # DyCoke pass 2
+    feats = x.mean(1)
+    unit = feats / feats.norm(dim=-1, keepdim=True)
+    fastvid = (unit[:-1] * unit[1:]).sum(dim=1)
+    assert torch.equal(adjacent_frame_similarity(feats, normalize="exact", formula="dot"), fastvid)
+    assert torch.equal(frame_cosine(a, b), cosine(a, b))  # FrameFusion's ratio
+    assert adjacent_frame_similarity(x, step=2).shape == (4, 5)
+    with pytest.raises(ValueError, match="normalize must be one of"):
+        frame_cosine(a, b, normalize="l1")
 
 
 def test_chain_order_and_similarity_match_loops():
@@ -77,6 +95,14 @@ def loop_chain_merge(x, order, merge):
     return out, torch.tensor(keep)
 
 
+def chain_merge_mean(x, order, merge):
+    """FrameFusion's merge of chain runs: each run folds into the element before it (the anchor)."""
+    anchors = order[chain_anchors(merge)]
+    keep = torch.ones(x.shape[0], dtype=torch.bool)
+    keep[order[merge]] = False
+    return mean_into_anchors(x, anchors, order[merge]), keep
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_chain_merge_mean_matches_loop(seed):
     g = torch.Generator().manual_seed(seed)
@@ -112,21 +138,6 @@ def test_identical_frames_merge_into_first():
     torch.testing.assert_close(out[:4], frame)
 
 
-def test_scatter_mean_matches_loop():
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(20, 5, generator=g, dtype=torch.float64)
-    index = torch.randint(0, 6, (20,), generator=g)
-    w = torch.rand(20, generator=g, dtype=torch.float64)
-    mean, mass = scatter_mean(x, index, 7, w)
-    for k in range(7):
-        members = [i for i in range(20) if index[i] == k]
-        if not members:
-            assert torch.all(mean[k] == 0) and mass[k] == 0
-            continue
-        total = sum(w[i] * x[i] for i in members)
-        torch.testing.assert_close(mean[k], total / sum(w[i] for i in members))
-
-
 def test_topk_selection():
     scores = torch.tensor([0.1, 0.9, 0.3, 0.8, 0.5])
     assert topk_indices(scores, 2).tolist() == [1, 3]
@@ -135,10 +146,6 @@ def test_topk_selection():
     assert topk_indices(scores, 99).tolist() == [0, 1, 2, 3, 4]
     cand = torch.tensor([True, False, True, True, False])
     assert topk_mask(scores, 2, cand).tolist() == [False, False, True, True, False]
-    embeds = torch.arange(10.0).view(5, 2)
-    positions = torch.arange(15).view(3, 5)
-    e, p = gather_tokens(torch.tensor([1, 3]), embeds, positions)
-    assert e.tolist() == [[2.0, 3.0], [6.0, 7.0]] and p.tolist() == [[1, 3], [6, 8], [11, 13]]
 
 
 def test_dpc_knn_matches_loops():
@@ -188,18 +195,6 @@ def test_sinkhorn_matches_loop_and_marginals():
     # columns match the target mass exactly after the last c-update; rows approximately (loop stopped on r)
     torch.testing.assert_close(plan.sum(0), torch.full((4,), 0.25, dtype=torch.float64))
     assert plan.sum() == pytest.approx(1.0)
-
-
-def test_bipartite_soft_matching():
-    from vtc_kernels import bipartite_soft_matching
-
-    metric = torch.tensor([[1.0, 0.0], [1.0, 0.01], [0.0, 1.0], [0.01, 1.0], [1.0, 1.0], [-1.0, 0.2]])
-    src, dst, kept = bipartite_soft_matching(metric, r=2)
-    # A = tokens 0, 2, 4; B = 1, 3, 5: 0 -> 1 and 2 -> 3 are near-identical pairs
-    assert sorted(zip(src.tolist(), dst.tolist())) == [(0, 1), (2, 3)]
-    assert kept.tolist() == [4]
-    src, _, kept = bipartite_soft_matching(metric, r=2, protected=1)
-    assert 0 not in src.tolist() and 0 in kept.tolist()
 
 
 def test_reconcile_count():

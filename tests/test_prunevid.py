@@ -12,8 +12,9 @@ import torch
 import torch.nn.functional as F
 
 import vtc
-from tests.conftest import model_and_processor, single_inputs
+from tests.conftest import batch_inputs, model_and_processor, single_inputs
 from tests.reference import CAPTURED, ManualLLM, last_rows_attention
+from vtc.core.geometry import default_geometry
 from vtc.core.tokens import Context, VideoTokens
 from vtc_plugins.prunevid import (
     DEFAULT_ALPHA,
@@ -207,10 +208,17 @@ def test_defaults_follow_the_official_scripts():
     info = vtc.registry()["prunevid"]
     assert info.stages == ("connect", "prefill")
     assert info.query_aware and info.owns == frozenset({"llm_token_schedule"})
-    assert info.position_policy == "compact" and info.fixed_count
+    assert info.position_policy == "compact" and info.fixed_count and info.fixed_count_mode == "optional"
+    # the count retention sets is the one after the layer-M prune; stage 1 has no vision statistics
+    assert info.retention_reference == "last_layer" and "layer-M prune" in info.retention_note
+    assert not (info.vision_stats or info.prepool or info.needs_whole_frames or info.acts_during_decode)
+    assert set(info.conformance_exemptions) == {"ordered_positions"}
+    assert info.test_params == {"selected_layer": 2}
     plugin = info.factory(p, None)
     assert plugin.alpha == DEFAULT_ALPHA == 0.4
-    assert plugin.retained_count(1000, (10, 10, 10)) is None  # adaptive by default
+    assert plugin.retained_count(1000, (10, 10, 10), "qwen2_vl") is None  # adaptive by default
+    # the plugin object holds only its parameters (per-prompt state lives in ctx.store)
+    assert not any(hasattr(plugin, a) for a in ("last_kept", "last_plans", "_pending", "entry_layout", "_scores"))
 
 
 @pytest.mark.parametrize(
@@ -234,18 +242,24 @@ def test_retention_mapping_and_fixed_counts():
     grid = (4, 12, 12)
     plugin = factory(PruneVidParams(), 0.3)
     assert plugin.alpha is None and plugin.target == 0.3  # alpha = round(0.3 N) / (tokens after stage 1)
-    assert plugin.retained_count(576, grid) is None
+    assert plugin.retained_count(576, grid, "qwen2_vl") is None
     fixed = factory(PruneVidParams(fixed_count=True), 0.3)
-    assert fixed.retained_count(576, grid) == round(0.3 * 576) == 173
+    for family in ("qwen2_vl", "llava_onevision"):  # the count depends on the tokens only
+        assert fixed.retained_count(576, grid, family) == round(0.3 * 576) == 173
+    assert fixed.retained_count(300, grid, "qwen2_vl") == round(0.3 * 300)  # of what reaches it
     # defaults: the README's 16.2 % at alpha = 0.4; an explicit alpha scales it and wins over the retention
-    assert factory(PruneVidParams(fixed_count=True), None).retained_count(1000, grid) == round(README_RETAINED * 1000)
+    default = factory(PruneVidParams(fixed_count=True), None)
+    assert default.retained_count(1000, grid, "qwen2_vl") == round(README_RETAINED * 1000)
     explicit = factory(PruneVidParams(alpha=0.2, fixed_count=True), 0.9)
-    assert explicit.alpha == 0.2 and explicit.retained_count(1000, grid) == round(0.2 * README_RETAINED / 0.4 * 1000)
+    assert explicit.alpha == 0.2
+    assert explicit.retained_count(1000, grid, "qwen2_vl") == round(0.2 * README_RETAINED / 0.4 * 1000)
     # retention 1.0 keeps everything (both stages off)
     full = factory(PruneVidParams(), 1.0)
-    assert full.identity and full.retained_count(576, grid) == 576
+    assert full.identity and full.retained_count(576, grid, "qwen2_vl") == 576
     tokens = _video_tokens(torch.randn(2, 4, 4))
-    assert full.vtc_connect(tokens=tokens, ctx=Context()) is tokens
+    ctx = Context()
+    assert full.vtc_connect(tokens=tokens, ctx=ctx) is tokens
+    assert ctx.reports == {}  # no stage 1: no plan
 
 
 # --- stage 1 pieces ---------------------------------------------------------------------------------------------
@@ -375,12 +389,21 @@ def _video_tokens(frames: torch.Tensor) -> VideoTokens:
     )
 
 
+def _context(seed: int = 0, family: str = "qwen2_vl") -> Context:
+    return Context(family=family, geometry=default_geometry(family), generator=torch.Generator().manual_seed(seed))
+
+
 def test_connect_merges_linearly_and_tags_the_tokens():
     frames = scene_video(t=8, length=16, dim=8, static=12, seed=4)
     tokens = _video_tokens(frames)
     plugin = vtc.registry()["prunevid"].factory(PruneVidParams(), None)
-    out = plugin.vtc_connect(tokens=tokens, ctx=Context(generator=torch.Generator().manual_seed(0)))
-    plan = plugin._pending[-1]
+    ctx = _context(seed=0)
+    out = plugin.vtc_connect(tokens=tokens, ctx=ctx)
+    (plan,) = ctx.reports["plan"]  # one report for the one video
+    assert list(ctx.reports) == ["plan"] and len(out) == plan.count
+    # the reported plan is the official stage 1 with the same generator
+    again = prunevid_stage1(tokens.embeds, tokens.frame, tokens.patch, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(plan.anchors, again.anchors) and torch.equal(plan.values, again.values)
     assert torch.equal(out.embeds, plan.values)
     # the weighted-merge map (used for side features) gives the same means
     torch.testing.assert_close(out.extras["side"], plan.values.double() * 2, atol=1e-5, rtol=1e-5)
@@ -398,9 +421,12 @@ def test_relaxed_stage1_leaves_at_least_the_budget():
     tokens = _video_tokens(frames)
     for fixed in (False, True):
         plugin = vtc.registry()["prunevid"].factory(PruneVidParams(fixed_count=fixed), 0.5)
-        out = plugin.vtc_connect(tokens=tokens, ctx=Context(generator=torch.Generator().manual_seed(0)))
+        ctx = _context(seed=0)
+        out = plugin.vtc_connect(tokens=tokens, ctx=ctx)
         budget = round(0.5 * len(tokens))
         assert len(out) >= budget and bool((out.tags[TAG_BUDGET] == budget).all())
+        (plan,) = ctx.reports["plan"]  # the relaxed plan is the one reported
+        assert plan.count == len(out)
     official = prunevid_stage1(tokens.embeds, tokens.frame, tokens.patch, generator=torch.Generator().manual_seed(0))
     assert official.count < budget
 
@@ -459,6 +485,21 @@ def _capture_llm_inputs(model):
         calls.append({k: v for k, v in kwargs.items()})
 
     return calls, text.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def _layout_probe(plugin):
+    """Wrap the plugin's prefill hook to record the layout (slots, tags) of the sequence entering the LLM, at
+    layer 0 of every prefill (vtc keeps no per-forward state on the plugin object)."""
+    layouts = []
+    original = plugin.vtc_prefill
+
+    def wrapped(state, ctx):
+        if state.phase == "prefill" and state.layer == 0 and state.point == "layer_start":
+            layouts.append(state.layout)
+        return original(state=state, ctx=ctx)
+
+    plugin.vtc_prefill = wrapped
+    return layouts
 
 
 def _three_rows(pos):
@@ -567,6 +608,7 @@ def test_matches_reference_prefill_and_decode(family, retention, alpha, causal):
     inputs = single_inputs(family)
     params = {"selected_layer": 2, "causal_scores": causal} | ({"alpha": alpha} if alpha is not None else {})
     with vtc.patch(model, "prunevid", retention=retention, **params) as handle:
+        layouts = _layout_probe(handle.pipeline.entries[-1].plugin)
         calls, hook = _capture_llm_inputs(model)
         try:
             gen = model.generate(
@@ -574,21 +616,32 @@ def test_matches_reference_prefill_and_decode(family, retention, alpha, causal):
             )
         finally:
             hook.remove()
-        plugin = handle.pipeline.entries[-1].plugin
-        layout = plugin.entry_layout
         stats = handle.stats()
+    (layout,) = layouts  # one prefill; decode steps do not call the hook (prunevid does not act during decode)
     prefill, decode = calls[0], calls[1]
     # stage 1 is what the LLM received: the plan's features, in the plan's order (one contiguous video)
-    plan = plugin.last_plans[0]
+    (plan,) = stats.reports["prunevid"]["plan"]
     visual_slots = torch.nonzero(layout.visual[0]).flatten()
+    assert visual_slots.numel() == plan.count == stats.llm_tokens_in
     if family != "qwen3_vl":  # Qwen3-VL interleaves timestamps; tokens go to their frame's segment
         torch.testing.assert_close(prefill["inputs_embeds"][0, visual_slots], plan.values)
+        # the connect output's tags reach the LLM on the video's slots, in the plan's order
+        assert torch.equal(layout.tags[TAG_WINDOW][0, visual_slots], plan.window)
+        assert torch.equal(layout.tags[TAG_STATIC][0, visual_slots], plan.static)
+        assert torch.equal(layout.tags[TAG_FRAME][0, visual_slots], plan.frame)
+    else:  # reordered into frame segments: the same multiset of tags
+        pairs = sorted(
+            zip(layout.tags[TAG_WINDOW][0, visual_slots].tolist(), layout.tags[TAG_FRAME][0, visual_slots].tolist())
+        )
+        assert pairs == sorted(zip(plan.window.tolist(), plan.frame.tolist()))
+    assert bool((layout.tags[TAG_WINDOW][0][~layout.visual[0]] == -1).all())  # -1 outside the video
+    assert (TAG_BUDGET in layout.tags) == (retention is not None and alpha is None)
     effective_alpha = alpha if alpha is not None else (None if retention is not None else 0.4)
     ref_prefill, kept = prunevid_reference(model, prefill, None, layout, 2, effective_alpha, causal)
     ref_decode, kept_again = prunevid_reference(model, prefill, decode, layout, 2, effective_alpha, causal)
     assert torch.equal(kept, kept_again)
     kept_visual = int(layout.visual[0][kept].sum())
-    assert plugin.last_kept == [kept_visual]
+    assert stats.reports["prunevid"]["kept"] == [kept_visual]  # one batch row
     assert stats.layer_visual_tokens[-1] == kept_visual
     assert stats.layer_visual_tokens[:3] == [plan.count] * 3  # layers 0..2 see every stage-1 token
     torch.testing.assert_close(gen.logits[0], ref_prefill, atol=2e-5, rtol=1e-4)
@@ -601,18 +654,42 @@ def test_end_to_end_stats_and_fixed_count():
     with vtc.patch(model, "prunevid", retention=0.25, selected_layer=2) as handle, torch.no_grad():
         model(**inputs)
         stats = handle.stats()
-        plugin = handle.pipeline.entries[-1].plugin
     n = stats.visual_tokens_in
     assert n == 8 * 14 * 14
     counts = stats.layer_visual_tokens
-    assert counts[0] == counts[2] == stats.llm_tokens_in < n  # stage 1 merged before the LLM
-    assert counts[3] == counts[-1] == stats.visual_tokens_out == sum(plugin.last_kept)
+    (plan,) = stats.reports["prunevid"]["plan"]
+    assert counts[0] == counts[2] == stats.llm_tokens_in == plan.count < n  # stage 1 merged before the LLM
+    (kept,) = stats.reports["prunevid"]["kept"]
+    assert counts[3] == counts[-1] == stats.visual_tokens_out == kept
+    (record,) = [r for r in stats.stages if r.stage == "connect" and r.plugin == "prunevid"]
+    assert (record.tokens_in, record.tokens_out) == (n, plan.count)
     assert stats.visual_tokens_out <= round(0.25 * n)  # per-group floors of alpha = budget / tokens
     assert stats.visual_tokens_out > 0.2 * n
     with vtc.patch(model, "prunevid", retention=0.25, selected_layer=2, fixed_count=True) as handle:
         with torch.no_grad():
             model(**inputs)
-        assert handle.stats().visual_tokens_out == handle.retained_count((8, 14, 14)) == round(0.25 * n)
+        stats = handle.stats()
+        assert stats.visual_tokens_out == handle.retained_count((8, 14, 14)) == round(0.25 * n)
+        assert stats.reports["prunevid"]["kept"] == [round(0.25 * n)]
+
+
+def test_reports_follow_videos_and_batch_rows():
+    """A padded batch of two prompts: one stage-1 plan per video (video order), one kept count per batch row;
+    the next forward's reports hold that forward's values only."""
+    model, _ = model_and_processor("qwen2_vl")
+    with vtc.patch(model, "prunevid", retention=0.3, selected_layer=2, fixed_count=True) as handle:
+        for inputs, rows in ((batch_inputs("qwen2_vl"), 2), (single_inputs("qwen2_vl"), 1)):
+            with torch.no_grad():
+                model(**inputs)
+            stats = handle.stats()
+            plans = stats.reports["prunevid"]["plan"]
+            assert len(plans) == stats.videos == rows
+            records = [r for r in stats.stages if r.stage == "connect" and r.plugin == "prunevid"]
+            assert [r.tokens_out for r in records] == [p.count for p in plans]
+            assert sum(p.count for p in plans) == stats.llm_tokens_in
+            kept = stats.reports["prunevid"]["kept"]
+            assert kept == [handle.retained_count(grid) for grid in stats.grids]  # one video per row here
+            assert sum(kept) == stats.visual_tokens_out
 
 
 def test_selected_layer_beyond_the_model_is_a_clear_error():

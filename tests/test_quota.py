@@ -1,16 +1,24 @@
 """QuoTA: decoupling parse, scoring prompts, the (100 p)^2 weights, per-frame budgets and shapes (token_compress
-v1), the bilinear resize, Qwen's frame pairing, and end-to-end runs with the model itself and with CLIP as scorer."""
+v1), the bilinear resize, Qwen's frame pairing, the official truncating frame sampling, the connect hook's
+resized frames at their anchor cells, and end-to-end runs with the model itself and with CLIP as scorer."""
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
 import vtc
-from tests.conftest import model_and_processor, videos
+from tests.conftest import grid_tokens, model_and_processor, videos
+from vtc.core.geometry import default_geometry
+from vtc.core.pipeline import Pipeline
+from vtc.core.tokens import Context
+from vtc.media.video import VideoSource
 from vtc_plugins.quota import (
+    Quota,
+    QuotaClip,
     QuotaParams,
     anchor_cells,
     frame_shape,
@@ -85,38 +93,132 @@ def test_defaults_follow_the_official_pipeline():
         QuotaParams(weight_scale=(1, 2, 3))
 
 
+def test_method_info_declares_what_the_plugin_needs():
+    for name in ("quota", "quota-clip"):
+        info = vtc.registry()[name]
+        assert info.stages == ("sample", "connect") and info.owns == frozenset({"frame_selection"})
+        assert info.query_aware and info.fixed_count_mode == "optional" and info.position_policy == "compact"
+        # the pre-pool feature maps are resized (the `needs_prepool` attribute of the first contract), and every
+        # cell of every frame is needed
+        assert info.prepool and info.needs_whole_frames and not info.vision_stats
+        assert info.retention_reference == "llm_input" and info.retention_note
+        assert {"original_positions", "ordered_positions"} <= set(info.conformance_exemptions)
+        assert info.test_params["decouple_max_new_tokens"] == 4
+    clip = vtc.registry()["quota-clip"].test_params
+    assert clip["clip_model"] == "vtc-tiny-clip" and clip["clip_pretrained"] is None  # no download
+    assert not hasattr(Quota(QuotaParams()), "needs_prepool")
+    # its sample stage runs first, so a connect method named before it still sees whole frames
+    assert Pipeline("divprune+quota").names() == ["quota", "divprune"]
+
+
+def _clip_sampler(**params):
+    return QuotaClip(QuotaParams(**{**vtc.registry()["quota-clip"].test_params, "decouple": False, **params}), 0.25)
+
+
+def test_sampling_truncates_like_the_official_pipeline():
+    """quota_pipeline.py samples `np.linspace(0, T - 1, N, dtype=int)`: truncated, duplicates kept on short clips
+    (qwen-vl-utils' rounding would give [0, 3, 7, 10]); the request comes from `ctx.num_frames`, the question's
+    scores land in `ctx.prepared["quota"]`."""
+    frames = np.random.default_rng(0).integers(0, 256, size=(11, 32, 32, 3), dtype=np.uint8)
+    source = VideoSource.open(frames, fps=1.0)
+    ctx = Context(question="Which shape moves?", num_frames=4)
+    assert _clip_sampler().vtc_sample(video=source, ctx=ctx) == [0, 3, 6, 10]
+    info = ctx.prepared["quota"]
+    assert info["objects"] == [] and len(info["scores"]) == len(info["weights"]) == 4
+    assert sum(info["weights"]) == pytest.approx(1.0)
+    ctx = Context(question="Which shape moves?", num_frames=5)
+    assert _clip_sampler().vtc_sample(video=VideoSource.open(frames[:3], fps=1.0), ctx=ctx) == [0, 0, 1, 1, 2]
+    # no request: max_frames_num + additional_frames per hour (11 s: 96 + 0), duplicates kept
+    ctx = Context(question="Which shape moves?")
+    indices = _clip_sampler().vtc_sample(video=source, ctx=ctx)
+    assert indices == np.linspace(0, 10, 96, dtype=int).tolist() and len(indices) == 96
+    assert len(ctx.prepared["quota"]["scores"]) == 96
+
+
+def test_sampler_needs_the_processor_for_decoupling():
+    frames = np.zeros((4, 32, 32, 3), dtype=np.uint8)
+    model, processor = model_and_processor("qwen2_vl")
+    ctx = Context(question="Which shape moves?", num_frames=2, model=model, processor=None)
+    with pytest.raises(ValueError, match="query decoupling runs the model"):
+        Quota(QuotaParams()).vtc_sample(video=VideoSource.open(frames), ctx=ctx)
+    with pytest.raises(ValueError, match="pass it to handle.prepare"):
+        Quota(QuotaParams()).vtc_sample(video=VideoSource.open(frames), ctx=Context(processor=processor))
+
+
+def _connect_ctx(weights, family="qwen2_vl"):
+    return Context(family=family, geometry=default_geometry(family), prepared={"quota": {"weights": weights}})
+
+
+def test_connect_resizes_frames_onto_their_anchor_cells():
+    """Frame budgets int(B w_f) become h x w bilinear resizes of the frame's map; each resized cell sits at (and
+    takes the original position of) its nearest grid cell, so an upsampled frame repeats anchors."""
+    g = torch.Generator().manual_seed(0)
+    tokens = grid_tokens(torch.randn(18, 5, generator=g), (2, 3, 3), mrope=True)
+    tokens.extras["deepstack"] = tokens.embeds.clone()
+    ctx = _connect_ctx([0.8, 0.2])
+    out = Quota(QuotaParams(), 1.0).vtc_connect(tokens=tokens, ctx=ctx)
+    # B = 18: int(14.4) = 14 -> a 4 x 3 grid (12 cells), int(3.6) = 3 -> 2 x 1 (2 cells)
+    assert ctx.reports == {"budgets": [[14, 3]]}
+    assert len(out) == 14 and out.grid == (2, 3, 3)
+    anchors = [0, 1, 2, 3, 4, 5, 3, 4, 5, 6, 7, 8] + [9 + 1, 9 + 7]  # rows [0, 1, 1, 2] of frame 0; (0, 1), (2, 1)
+    assert (out.frame * 9 + out.patch).tolist() == anchors
+    assert torch.equal(out.positions, tokens.positions[:, anchors])
+    maps = tokens.embeds.reshape(2, 3, 3, 5)
+    expected = torch.cat([resize_frame(maps[0], 14, False)[0], resize_frame(maps[1], 3, False)[0]])
+    torch.testing.assert_close(out.embeds, expected)
+    torch.testing.assert_close(out.extras["deepstack"], out.embeds)  # side features resized alike
+    with pytest.raises(ValueError, match="two tokens sit on the same grid cell"):
+        out.grid_index()  # repeated anchors: no one token per cell
+
+
+def test_connect_fixed_count_and_whole_frames():
+    tokens = grid_tokens(torch.randn(32, 4), (2, 4, 4))
+    ctx = _connect_ctx([0.5, 0.5], "llava_onevision")
+    fixed = Quota(QuotaParams(fixed_count=True), 0.3)
+    out = fixed.vtc_connect(tokens=tokens, ctx=ctx)
+    assert len(out) == fixed.retained_count(32, (2, 4, 4), "llava_onevision") == round(32 * 0.3) == 10
+    assert ctx.reports == {"budgets": [[5, 5]]}  # B = 10 shared equally, exactly
+    assert Quota(QuotaParams(), 0.3).retained_count(32, (2, 4, 4), "llava_onevision") is None  # adaptive
+    thinned = tokens.select(torch.arange(1, 32))
+    with pytest.raises(ValueError, match="quota resizes whole frames"):
+        fixed.vtc_connect(tokens=thinned, ctx=_connect_ctx([0.5, 0.5], "llava_onevision"))
+    with pytest.raises(ValueError, match="build the inputs with handle.prepare"):
+        fixed.vtc_connect(tokens=tokens, ctx=Context(family="qwen2_vl", geometry=default_geometry("qwen2_vl")))
+
+
 def run_quota(family, method="quota", retention=0.25, **params):
+    """(stats of the forward, what the sample stage prepared for the prompt) of one prepared clip."""
     model, processor = model_and_processor(family)
-    params = {"decouple_max_new_tokens": 4, **params}
-    if method == "quota-clip":
-        params.update(clip_model="vtc-tiny-clip", clip_pretrained=None)
+    params = {**vtc.registry()[method].test_params, **params}
     with vtc.patch(model, method, retention=retention, **params) as handle:
         inputs = handle.prepare(processor, videos()[0], "Which shape moves?", num_frames=8, fps=8)
-        info = handle._patch.prepared[next(iter(handle._patch.prepared))]["quota"]
+        (prompt,) = handle._patch.prepared.values()
+        info = prompt["methods"]["quota"]
         with torch.no_grad():
             model(**inputs)
-        plugin = handle.pipeline.entries[0].plugin
-        return handle.stats(), info, plugin
+        return handle.stats(), info
 
 
 @pytest.mark.parametrize("family", ["llava_onevision", "qwen2_5_vl", "llava_next_video"])
 def test_end_to_end_counts_follow_the_budgets(family):
-    stats, info, plugin = run_quota(family)
-    assert len(info["scores"]) == 8 and sum(info["weights"]) == pytest.approx(1.0)
+    stats, info = run_quota(family)
+    assert len(info["scores"]) == 8 and sum(info["weights"]) == pytest.approx(1.0)  # num_frames=8 honoured
     budget = round(stats.visual_tokens_in * 0.25)
-    counts = plugin.last_budgets[-1]
-    assert sum(counts) <= budget
+    (counts,) = stats.reports["quota"]["budgets"]  # one video: one budget list, one entry per grid frame
+    assert len(counts) == stats.grids[0][0] and sum(counts) <= budget
     expected = sum(math.prod(frame_shape(c)) for c in counts if c > 0)
-    assert stats.visual_tokens_out == expected == plugin.last_kept[-1]
+    (connect,) = [s for s in stats.stages if s.stage == "connect"]
+    assert (connect.plugin, connect.tokens_in) == ("quota", stats.visual_tokens_in)
+    assert stats.visual_tokens_out == expected == connect.tokens_out == stats.llm_tokens_in
 
 
 def test_fixed_count_hits_the_budget_exactly():
-    stats, _, plugin = run_quota("qwen2_vl", retention=0.3, fixed_count=True)
-    assert stats.visual_tokens_out == round(stats.visual_tokens_in * 0.3)
+    stats, _ = run_quota("qwen2_vl", retention=0.3, fixed_count=True)
+    assert stats.visual_tokens_out == round(stats.visual_tokens_in * 0.3) == sum(stats.reports["quota"]["budgets"][0])
 
 
 def test_clip_scorer_end_to_end():
-    stats, info, _ = run_quota("qwen2_vl", method="quota-clip")
+    stats, info = run_quota("qwen2_vl", method="quota-clip")
     assert len(info["scores"]) == 8 and all(0 < s < 1 for s in info["scores"])
     assert 0 < stats.visual_tokens_out <= round(stats.visual_tokens_in * 0.25)
 

@@ -163,16 +163,14 @@ def test_replace_hidden_mid_layer(methods):
 def test_mask_keys_during_decode(methods):
     """A decode-time plugin hides the cached video tokens from layer 1 on, for every decode step."""
 
-    class Hide:
-        acts_during_decode = True
-
+    class Hide:  # decode-time hooks are declared on MethodInfo (acts_during_decode), not on the plugin
         @hookimpl
         def vtc_prefill(self, state, ctx):
             if state.phase == "decode" and state.point == "layer_start" and state.layer == 1:
                 layout = state.prefill_layout(1)
                 state.mask_keys(layout.valid & ~layout.visual)
 
-    register("t_hide", Hide)
+    register("t_hide", Hide, acts_during_decode=True)
     methods.append("t_hide")
     model, _ = model_and_processor(FAMILY)
     inputs = single_inputs(FAMILY)
@@ -196,3 +194,34 @@ def test_mask_keys_during_decode(methods):
     with torch.no_grad():
         plain = model(**inputs).logits[:, -1]
     torch.testing.assert_close(gen.logits[0], plain, atol=1e-6, rtol=1e-6)
+
+
+def test_decode_calls_need_the_declaration(methods):
+    """Without MethodInfo(acts_during_decode=True) a prefill plugin is never called on decode steps."""
+    phases = {"t_decl": [], "t_undecl": []}
+
+    def make(name):
+        class Hide:
+            @hookimpl
+            def vtc_prefill(self, state, ctx):
+                phases[name].append(state.phase)
+                if state.phase == "decode" and state.point == "layer_start" and state.layer == 1:
+                    layout = state.prefill_layout(1)
+                    state.mask_keys(layout.valid & ~layout.visual)
+
+        return Hide
+
+    register("t_decl", make("t_decl"), acts_during_decode=True)
+    register("t_undecl", make("t_undecl"))
+    methods.extend(["t_decl", "t_undecl"])
+    model, _ = model_and_processor(FAMILY)
+    inputs = single_inputs(FAMILY)
+    kwargs = dict(max_new_tokens=2, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    plain = model.generate(**inputs, **kwargs)
+    with vtc.patch(model, "t_undecl"):
+        undeclared = model.generate(**inputs, **kwargs)
+    with vtc.patch(model, "t_decl"):
+        declared = model.generate(**inputs, **kwargs)
+    assert set(phases["t_undecl"]) == {"prefill"} and set(phases["t_decl"]) == {"prefill", "decode"}
+    torch.testing.assert_close(undeclared.logits[1], plain.logits[1], atol=1e-6, rtol=1e-6)
+    assert not torch.allclose(declared.logits[1], plain.logits[1], atol=1e-4, rtol=1e-3)

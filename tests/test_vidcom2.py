@@ -12,7 +12,8 @@ import torch
 import vtc
 from tests.conftest import batch_inputs, model_and_processor, single_inputs
 from tests.probes import llm_inputs
-from vtc.core.tokens import Context, VideoTokens
+from vtc.core.geometry import default_geometry
+from vtc.core.tokens import Context, VideoTokens, frame_groups
 from vtc_plugins.vidcom2 import (
     ALPHAS,
     VidCom2,
@@ -91,6 +92,10 @@ def test_defaults_match_the_official_code():
     assert p.fixed_count is False and p.compute_dtype is None
     info = vtc.registry()["vidcom2"]
     assert info.stages == ("connect",) and info.position_policy == "compact" and info.fixed_count
+    assert info.fixed_count_mode == "optional" and not info.query_aware
+    # post-projector features only: no tower statistics, no pre-pool features, works on thinned frames
+    assert not info.vision_stats and not info.prepool and not info.needs_whole_frames
+    assert info.retention_reference == "llm_input"
     assert info.factory(p, None).ratio == 0.25  # R_RATIO default
 
 
@@ -101,6 +106,16 @@ def test_retention_maps_to_r_and_explicit_ratio_wins():
         VidCom2Params(ratio=0.0)
     with pytest.raises(ValueError, match="compute_dtype"):
         VidCom2Params(compute_dtype="int8")
+
+
+def test_frame_groups_keep_each_frames_current_order():
+    """VidCom² groups tokens by `tokens.frame` with `vtc.core.tokens.frame_groups` (its own copy moved there):
+    frames ascending, indices within a frame in the tokens' current order (ascending) when no patch is given."""
+    frame = torch.tensor([2, 0, 2, 0, 1, 2])
+    assert [g.tolist() for g in frame_groups(frame)] == [[1, 3], [4], [0, 2, 5]]
+    patch = torch.tensor([0, 3, 1, 0, 0, 2])  # spatial order within a frame, with tokens_per_frame = H * W = 4
+    assert [g.tolist() for g in frame_groups(frame, patch, 4)] == [[3, 1], [4], [0, 2, 5]]
+    assert [g.tolist() for g in vidcom2_plan(torch.randn(6, 4), frame, ratio=0.5).frames] == [[1, 3], [4], [0, 2, 5]]
 
 
 def test_low_variance_half_of_the_channels():
@@ -207,30 +222,46 @@ def test_fixed_count_mode_is_exact_and_reconciles_by_score():
         else:  # the lowest-scored of the rest are added
             assert a <= b and all(free.scores[i] <= free.scores[list(set(range(n)) - b)].min() for i in b - a)
     plugin = VidCom2(VidCom2Params(fixed_count=True), 0.25)
-    assert plugin.retained_count(1568, (8, 14, 14)) == 392
-    assert plugin.retained_count(100, (8, 5, 5)) == 25
-    assert VidCom2(VidCom2Params(fixed_count=True), 0.01).retained_count(200, (8, 5, 5)) == 8  # one per frame
-    assert VidCom2(VidCom2Params(), 0.25).retained_count(1568, (8, 14, 14)) is None  # adaptive by default
-    assert VidCom2(VidCom2Params(), 1.0).retained_count(1568, (8, 14, 14)) == 1568
+    assert plugin.retained_count(1568, (8, 14, 14), "llava_onevision") == 392
+    assert plugin.retained_count(1568, (8, 14, 14), "qwen2_vl") == 392  # the same on every family
+    assert plugin.retained_count(100, (8, 5, 5), "llava_next_video") == 25
+    one_per_frame = VidCom2(VidCom2Params(fixed_count=True), 0.01)
+    assert one_per_frame.retained_count(200, (8, 5, 5), "llava_next_video") == 8
+    assert VidCom2(VidCom2Params(), 0.25).retained_count(1568, (8, 14, 14), "llava_onevision") is None  # adaptive
+    assert VidCom2(VidCom2Params(), 1.0).retained_count(1568, (8, 14, 14), "llava_onevision") == 1568
+
+
+def _ctx(retention=None):
+    family = "llava_next_video"
+    return Context(retention=retention, family=family, geometry=default_geometry(family))
 
 
 def test_plugin_identity_budgets_and_dtype():
     x, frame = outlier_video()
     tokens = make_tokens(x.float(), frame, (8, 4, 5))
-    ctx = Context(retention=1.0)
+    ctx = _ctx(1.0)
     assert VidCom2(VidCom2Params(), 1.0).vtc_connect(tokens=tokens, ctx=ctx) is tokens
+    assert ctx.reports == {"budgets": [[20] * 8]}  # ratio 1: every frame keeps its token count, no plan
     plugin = VidCom2(VidCom2Params(), 0.25)
+    ctx = _ctx()
     out = plugin.vtc_connect(tokens=tokens, ctx=ctx)
-    assert len(out) == 37 and plugin.last_budgets == [[4, 4, 4, 4, 4, 9, 4, 4]] and plugin.last_kept == [37]
-    assert torch.equal(out.embeds, x.float()[plugin.last_plan.keep])
+    (plan,) = ctx.reports["plan"]
+    assert len(out) == 37 == plan.keep.numel() and ctx.reports["budgets"] == [[4, 4, 4, 4, 4, 9, 4, 4]]
+    assert plan.budgets == ctx.reports["budgets"][0]
+    assert torch.equal(out.embeds, x.float()[plan.keep])
     fixed = VidCom2(VidCom2Params(fixed_count=True), 0.25)
-    assert len(fixed.vtc_connect(tokens=tokens, ctx=ctx)) == fixed.retained_count(160, (8, 4, 5)) == 40
+    ctx = _ctx()
+    assert len(fixed.vtc_connect(tokens=tokens, ctx=ctx)) == fixed.retained_count(160, (8, 4, 5), ctx.family) == 40
+    assert ctx.reports["budgets"] == [[4, 4, 4, 4, 4, 9, 4, 4]]  # k_f before the reconciliation to 40
+    assert ctx.reports["plan"][0].keep.numel() == 40
     half = make_tokens(x.bfloat16(), frame, (8, 4, 5))
+    ctx = _ctx()
     plugin.vtc_connect(tokens=half, ctx=ctx)
-    assert plugin.last_plan.scores.dtype == torch.bfloat16  # the official code scores in the model dtype
+    assert ctx.reports["plan"][0].scores.dtype == torch.bfloat16  # the official code scores in the model dtype
     up = VidCom2(VidCom2Params(compute_dtype="float32"), 0.25)
+    ctx = _ctx()
     up.vtc_connect(tokens=half, ctx=ctx)
-    assert up.last_plan.scores.dtype == torch.float32
+    assert ctx.reports["plan"][0].scores.dtype == torch.float32
 
 
 def test_patched_llava_next_video_sees_the_chosen_tokens_renumbered():
@@ -261,14 +292,26 @@ def test_patched_qwen2_vl_fixed_count():
         assert stats.visual_tokens_out == handle.retained_count((4, 12, 12)) == 144
 
 
-def test_last_kept_reports_every_video_of_the_last_forward():
+def test_reports_cover_every_video_of_the_last_forward():
+    """One budgets list (and plan) per video, in video order, for the last forward only; in the adaptive mode each
+    video keeps exactly sum(k_f), over as many frames as its grid has."""
     model, _ = model_and_processor("qwen2_5_vl")
     with vtc.patch(model, "vidcom2", retention=0.3) as handle:
-        plugin = handle.pipeline.entries[0].plugin
         for inputs, videos in ((batch_inputs("qwen2_5_vl"), 2), (single_inputs("qwen2_5_vl"), 1)):
             with torch.no_grad():
                 model(**inputs)
             stats = handle.stats()
-            assert len(plugin.last_kept) == len(plugin.last_budgets) == videos
-            assert plugin.last_kept == [sum(b) for b in plugin.last_budgets]
-            assert sum(plugin.last_kept) == stats.visual_tokens_out < stats.visual_tokens_in
+            budgets = stats.reports["vidcom2"]["budgets"]
+            plans = stats.reports["vidcom2"]["plan"]
+            connect = [s for s in stats.stages if s.stage == "connect"]
+            assert len(budgets) == len(plans) == len(connect) == stats.videos == videos
+            assert [len(b) for b in budgets] == [t for t, _, _ in stats.grids]
+            assert [s.tokens_in for s in connect] == [t * h * w for t, h, w in stats.grids]
+            assert [s.tokens_out for s in connect] == [sum(b) for b in budgets] == [p.keep.numel() for p in plans]
+            assert sum(map(sum, budgets)) == stats.llm_tokens_in == stats.visual_tokens_out < stats.visual_tokens_in
+    with vtc.patch(model, "vidcom2", retention=1.0) as handle:  # ratio 1: the per-frame token counts, no plan
+        with torch.no_grad():
+            model(**single_inputs("qwen2_5_vl"))
+        stats = handle.stats()
+        assert stats.reports["vidcom2"] == {"budgets": [[h * w] * t for t, h, w in stats.grids]}
+        assert stats.visual_tokens_out == stats.visual_tokens_in

@@ -120,7 +120,7 @@ def test_qwen2_5_window_permutation_is_undone():
 def test_prepool_features_pool_back_to_the_tokens(family):
     model, _ = model_and_processor(family)
     inputs = single_inputs(family)
-    tokens, ctx = connect_inputs(model, inputs, needs_prepool=True)
+    tokens, ctx = connect_inputs(model, inputs, prepool=True)
     prepool = ctx.prepool
     pool = ctx.pool
     f, h, w = tokens.grid
@@ -134,7 +134,7 @@ def test_capture_is_removed_on_unpatch():
     model, _ = model_and_processor("llava_onevision")
     config = model.config.vision_config
     before = config._attn_implementation
-    patch = install_spy(model, ConnectSpy([VisionStat("received", -1)], needs_prepool=True))
+    patch = install_spy(model, ConnectSpy([VisionStat("received", -1)], prepool=True))
     assert config._attn_implementation == "vtc_sdpa"
     patch.remove()
     assert config._attn_implementation == before

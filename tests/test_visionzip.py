@@ -4,6 +4,7 @@ attention maps per family, the token order per family, and the patched models en
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 import vtc
 from tests.conftest import grid_tokens, model_and_processor, single_inputs
 from tests.probes import connect_inputs, llm_inputs
+from vtc.core.geometry import FamilyGeometry, default_geometry
 from vtc.core.tokens import Context
 from vtc.core.vision_stats import VisionStat
 from vtc_plugins.visionzip import (
@@ -20,10 +22,10 @@ from vtc_plugins.visionzip import (
     VisionZipParams,
     contextual_features,
     frame_tokens,
-    pool_map,
     select_frame,
     split_counts,
     token_grid_maps,
+    vision_stats_for,
 )
 
 
@@ -82,14 +84,22 @@ def test_params_defaults_and_validation():
 
 def test_retained_count_is_fixed_per_frame():
     plugin = VisionZip(VisionZipParams(), 0.10)
-    assert plugin.retained_count(32 * 196, (32, 14, 14)) == 32 * 20
-    assert VisionZip(VisionZipParams(tokens_per_frame=50), 0.10).retained_count(8 * 196, (8, 14, 14)) == 400
-    assert VisionZip(VisionZipParams(dominant=54, contextual=10), None).retained_count(4 * 144, (4, 12, 12)) == 256
-    assert VisionZip(VisionZipParams(), 1.0).retained_count(4 * 144, (4, 12, 12)) == 4 * 144
-    assert plugin.retained_count(100, (32, 14, 14)) is None  # thinned by an earlier plugin
+    assert plugin.retained_count(32 * 196, (32, 14, 14), "llava_onevision") == 32 * 20
+    assert plugin.retained_count(32 * 196, (32, 14, 14), "qwen2_vl") == 32 * 20  # the grid decides, not the family
+    fixed = VisionZip(VisionZipParams(tokens_per_frame=50), 0.10)
+    assert fixed.retained_count(8 * 196, (8, 14, 14), "llava_onevision") == 400
+    explicit = VisionZip(VisionZipParams(dominant=54, contextual=10), None)
+    assert explicit.retained_count(4 * 144, (4, 12, 12), "llava_next_video") == 256
+    assert VisionZip(VisionZipParams(), 1.0).retained_count(4 * 144, (4, 12, 12), "llava_next_video") == 4 * 144
+    assert plugin.retained_count(100, (32, 14, 14), "llava_onevision") is None  # thinned by an earlier plugin
     info = vtc.registry()["visionzip"]
     assert info.stages == ("connect",) and info.fixed_count and info.position_policy == "compact"
+    assert info.fixed_count_mode == "always"
     assert not info.query_aware
+    # reads tower attention and keys; LLaVA-NeXT-Video merges CLIP features before the projector (pre-pool)
+    assert info.vision_stats and info.prepool and not info.needs_whole_frames
+    assert info.retention_reference == "llm_input" and info.retention_note
+    assert set(info.conformance_exemptions) == {"ordered_positions"}  # the port's per-frame order on LLaVA
 
 
 # --- the per-frame selection --------------------------------------------------------------------------------------
@@ -137,15 +147,39 @@ def test_empty_cluster_adds_nothing():
 # --- attention maps -----------------------------------------------------------------------------------------------
 
 
-def test_pool_map_matches_the_models_pooling():
+def test_geometry_pooling_matches_the_models_pooling():
+    """The geometry maps tower values onto the token grid exactly as the port resized them (pool_map before)."""
+    onevision, next_video = default_geometry("llava_onevision"), default_geometry("llava_next_video")
     x = torch.randn(3, 729, 5)
     grid = x.reshape(3, 27, 27, 5).permute(0, 3, 1, 2)
     ref = F.interpolate(grid, size=[14, 14], mode="bilinear").permute(0, 2, 3, 1).reshape(3, 196, 5)
-    torch.testing.assert_close(pool_map(x, (14, 14), "bilinear"), ref)
+    torch.testing.assert_close(onevision.pool_grid(x.reshape(3, 27, 27, 5), (14, 14)), ref)
+    torch.testing.assert_close(onevision.to_token_grid(x, (14, 14)), ref)
+    scalar = torch.rand(3, 729)  # [F, L] maps come back [F, H*W]
+    ref = F.interpolate(scalar.reshape(3, 1, 27, 27), size=[14, 14], mode="bilinear").reshape(3, 196)
+    torch.testing.assert_close(onevision.to_token_grid(scalar, (14, 14)), ref)
     y = torch.randn(2, 576, 3)
     ref = F.avg_pool2d(y.reshape(2, 24, 24, 3).permute(0, 3, 1, 2), 2).permute(0, 2, 3, 1).reshape(2, 144, 3)
-    torch.testing.assert_close(pool_map(y, (12, 12), "average"), ref)
-    assert pool_map(y, (24, 24), "none") is y
+    torch.testing.assert_close(next_video.pool_grid(y.reshape(2, 24, 24, 3), (12, 12)), ref)
+    with_cls = torch.cat([torch.randn(2, 1, 3), y], dim=1)  # CLIP: the CLS column is dropped first
+    torch.testing.assert_close(next_video.to_token_grid(with_cls, (12, 12)), ref)
+    with pytest.raises(ValueError, match="1 \\+ 24x24"):
+        next_video.to_token_grid(y, (12, 12))  # no CLS column where the tower has one
+    assert default_geometry("qwen2_vl").to_token_grid(y, (24, 24)) is y  # Qwen: already on the token grid
+    assert torch.equal(onevision.to_token_grid(x[:, :196], (14, 14)), x[:, :196])  # already on the token grid
+
+
+def test_vision_stats_follow_the_towers_cls_token():
+    cls_form = [VisionStat("cls", -1), VisionStat("keys", -1)]
+    received_form = [VisionStat("received", -1), VisionStat("keys", -1)]
+    assert vision_stats_for(default_geometry("llava_next_video")) == cls_form  # CLIP: the official CLS row
+    for family in ("llava_onevision", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
+        assert vision_stats_for(default_geometry(family)) == received_form
+        assert VisionZip(VisionZipParams(), None).vision_stats(family) == received_form
+    assert VisionZip(VisionZipParams(), None).vision_stats("llava_next_video") == cls_form
+    # the geometry decides, not the family name: a CLS tower on a LLaVA-OneVision-like grid asks for the CLS row
+    clip_like = FamilyGeometry("llava_onevision", mrope=False, patch_grid=(24, 24), cls_tokens=1, pooling="average")
+    assert vision_stats_for(clip_like) == cls_form
 
 
 def test_token_grid_maps_per_family():
@@ -153,18 +187,23 @@ def test_token_grid_maps_per_family():
     cls = torch.rand(2, 4, 577, generator=g)
     keys = torch.randn(2, 577, 3, generator=g)
     vision = {VisionStat("cls", -1): cls, VisionStat("keys", -1): keys}
-    attention, metric = token_grid_maps(vision, "llava_next_video", (12, 12))
+    attention, metric = token_grid_maps(vision, default_geometry("llava_next_video"), (12, 12))
     summed = cls[:, :, 1:].sum(dim=1)  # official: attn[:, :, 0, 1:].sum(dim=1)
     torch.testing.assert_close(attention, F.avg_pool2d(summed.reshape(2, 1, 24, 24), 2).reshape(2, 144))
-    torch.testing.assert_close(metric, pool_map(keys[:, 1:], (12, 12), "average"))
+    pooled_keys = F.avg_pool2d(keys[:, 1:].reshape(2, 24, 24, 3).permute(0, 3, 1, 2), 2)
+    torch.testing.assert_close(metric, pooled_keys.permute(0, 2, 3, 1).reshape(2, 144, 3))
     received = torch.rand(2, 729, generator=g) * 729
-    vision = {VisionStat("received", -1): received, VisionStat("keys", -1): torch.randn(2, 729, 3, generator=g)}
-    attention, _ = token_grid_maps(vision, "llava_onevision", (14, 14))
+    onevision_keys = torch.randn(2, 729, 3, generator=g)
+    vision = {VisionStat("received", -1): received, VisionStat("keys", -1): onevision_keys}
+    attention, metric = token_grid_maps(vision, default_geometry("llava_onevision"), (14, 14))
     mean_received = (received / 729).reshape(2, 1, 27, 27)  # attentions[-1].mean(heads).mean(queries)
     torch.testing.assert_close(attention, F.interpolate(mean_received, size=[14, 14], mode="bilinear").flatten(1))
+    resized = F.interpolate(onevision_keys.reshape(2, 27, 27, 3).permute(0, 3, 1, 2), size=[14, 14], mode="bilinear")
+    torch.testing.assert_close(metric, resized.permute(0, 2, 3, 1).reshape(2, 196, 3))
     vision = {VisionStat("received", -1): received[:, :144], VisionStat("keys", -1): keys[:, :144]}
-    attention, metric = token_grid_maps(vision, "qwen2_vl", (12, 12))
-    assert attention.shape == (2, 144) and torch.equal(metric, keys[:, :144])
+    attention, metric = token_grid_maps(vision, default_geometry("qwen2_vl"), (12, 12))
+    torch.testing.assert_close(attention, received[:, :144] / 144)
+    assert torch.equal(metric, keys[:, :144])
 
 
 # --- the plugin on hand-built tokens ------------------------------------------------------------------------------
@@ -177,7 +216,7 @@ def _qwen_context(grid, seed=0):
         VisionStat("received", -1): torch.rand(t, h * w, generator=g),
         VisionStat("keys", -1): torch.randn(t, h * w, 4, generator=g),
     }
-    return Context(family="qwen2_vl", vision=vision), vision
+    return Context(family="qwen2_vl", geometry=default_geometry("qwen2_vl"), vision=vision), vision
 
 
 @pytest.mark.parametrize("mrope", [False, True])
@@ -238,9 +277,9 @@ def test_patched_llava_onevision_matches_the_port_on_the_models_statistics():
     family = "llava_onevision"
     model, _ = model_and_processor(family)
     inputs = single_inputs(family)
-    tokens, ctx = connect_inputs(model, inputs, visionzip_stats(family), needs_prepool=True)
+    tokens, ctx = connect_inputs(model, inputs, visionzip_stats(family), prepool=True)
     t, h, w = tokens.grid
-    attention, metric = token_grid_maps(ctx.vision, family, (h, w))
+    attention, metric = token_grid_maps(ctx.vision, ctx.geometry, (h, w))
     dominant, contextual = split_counts(frame_tokens(h * w, 0.25))
     expected = torch.cat(
         [
@@ -261,9 +300,9 @@ def test_patched_llava_next_video_merges_clip_features_before_the_projector():
     family = "llava_next_video"
     model, _ = model_and_processor(family)
     inputs = single_inputs(family)
-    tokens, ctx = connect_inputs(model, inputs, visionzip_stats(family), needs_prepool=True)
+    tokens, ctx = connect_inputs(model, inputs, visionzip_stats(family), prepool=True)
     t, h, w = tokens.grid
-    attention, metric = token_grid_maps(ctx.vision, family, (h, w))
+    attention, metric = token_grid_maps(ctx.vision, ctx.geometry, (h, w))
     pooled = F.avg_pool2d(ctx.prepool.permute(0, 3, 1, 2), 2).permute(0, 2, 3, 1).reshape(t, h * w, -1)
     projector = model.model.multi_modal_projector
     dominant, contextual = split_counts(frame_tokens(h * w, 0.2))
@@ -284,6 +323,27 @@ def test_patched_llava_next_video_merges_clip_features_before_the_projector():
     # merging after the projector instead gives other features (the projector is not linear)
     post, _, _ = llm_inputs(model, inputs, "visionzip", retention=0.2, merge_before_projector=False)
     assert not torch.allclose(post, out)
+
+
+def test_pre_projector_merge_follows_the_geometry():
+    """The pre-projector merge is chosen by `ctx.geometry.pool_before_projector`, not the family name: with the
+    same pre-pool features, a geometry whose pooler follows the projector merges the LLM tokens instead."""
+    family = "llava_next_video"
+    model, _ = model_and_processor(family)
+    inputs = single_inputs(family)
+    tokens, ctx = connect_inputs(model, inputs, visionzip_stats(family), prepool=True)
+    assert ctx.geometry.pool_before_projector and ctx.prepool is not None and ctx.pool is not None
+    t, h, w = tokens.grid
+    plugin = VisionZip(VisionZipParams(), 0.2)
+    with torch.no_grad():
+        before = plugin.vtc_connect(tokens=tokens, ctx=ctx)
+        after_geometry = dataclasses.replace(ctx.geometry, pool_before_projector=False)
+        after = plugin.vtc_connect(tokens=tokens, ctx=dataclasses.replace(ctx, geometry=after_geometry))
+        post = VisionZip(VisionZipParams(merge_before_projector=False), 0.2).vtc_connect(tokens=tokens, ctx=ctx)
+    assert len(before) == len(after) == len(post) == t * math.ceil(0.2 * h * w)
+    assert torch.equal(after.positions, before.positions)  # the same plan, only the merged features differ
+    torch.testing.assert_close(after.embeds, post.embeds, rtol=0, atol=0)
+    assert not torch.allclose(before.embeds, after.embeds)
 
 
 def test_patched_qwen2_5_vl_keeps_positions_and_order():

@@ -14,7 +14,7 @@ from vtc.core.pipeline import Pipeline
 from vtc.core.stats import ForwardStats, StatsRecorder
 from vtc.hf.adapters import resolve_adapter
 from vtc.hf.patching import ModelPatch
-from vtc.media.inputs import prepare_batch
+from vtc.media.inputs import prepare_batch, processor_family
 
 # model -> its live handle; weak so a patched model can be garbage-collected
 _HANDLES: "weakref.WeakKeyDictionary[torch.nn.Module, PatchHandle]" = weakref.WeakKeyDictionary()
@@ -70,9 +70,9 @@ class PatchHandle:
         return self.recorder.last
 
     def retained_count(self, grid: tuple[int, int, int]) -> int | None:
-        """Visual tokens the LLM keeps for a video whose token grid is `grid` = (T, H, W); None when the
-        methods decide adaptively from the content."""
-        return self.pipeline.retained_count(tuple(int(x) for x in grid))
+        """Visual tokens the LLM keeps for a video whose token grid is `grid` = (T, H, W) (at the last LLM layer
+        when a method acts in the LLM); None when the methods decide adaptively from the content."""
+        return self.pipeline.retained_count(grid)
 
     # --- inputs ---------------------------------------------------------------------------------------------------
     def prepare(
@@ -88,20 +88,25 @@ class PatchHandle:
         frames chosen by this pipeline's `sample` stage (uniform when it has none). Feed the result to
         `model.generate(**inputs)`."""
         videos, questions = _as_batch(video, question)
+        family = self.family
         if self._patch is None:
-            inputs, _ = prepare_batch(processor, videos, questions, self.pipeline, num_frames, fps, system, self.model)
+            inputs, _ = prepare_batch(
+                processor, videos, questions, self.pipeline, num_frames, fps, system, self.model, family
+            )
             return inputs
         # samplers may run the model itself (QuoTA scores frames with it): not through vtc's own hooks
         with self._patch.suspended():
             inputs, prepared = prepare_batch(
-                processor, videos, questions, self.pipeline, num_frames, fps, system, self.model
+                processor, videos, questions, self.pipeline, num_frames, fps, system, self.model, family
             )
         if self._patch.tokenizer is None:
             self._patch.tokenizer = getattr(processor, "tokenizer", None)
+        # one request at a time: what an earlier prepare call computed is dropped (memory stays bounded)
+        self._patch.prepared = {}
         mask = inputs["attention_mask"].bool()
         for b, q in enumerate(questions):
             ids = tuple(inputs["input_ids"][b][mask[b]].tolist())
-            self._patch.prepared[ids] = {"question": q, **prepared[b]}
+            self._patch.prepared[ids] = {"question": q, "methods": prepared[b]}
         return inputs
 
 
@@ -137,8 +142,7 @@ def patch(
     model replaces the previous patch (with a warning).
     """
     adapter = resolve_adapter(model)
-    pipeline = Pipeline(methods, retention=retention, params=params)
-    pipeline.check_family(adapter.family)
+    pipeline = Pipeline(methods, retention=retention, params=params, family=adapter.family)
     previous = _HANDLES.get(model)
     if previous is not None and previous.active:
         warnings.warn(
@@ -170,7 +174,8 @@ def prepare_inputs(
     patching a model. `vtc.prepare_inputs(processor, "clip.mp4", "What happens?", "uniform", num_frames=16)`.
     `model` is needed by samplers that score frames with a model (QuoTA); what such samplers prepare for later
     stages only reaches a model patched by a handle, so prefer `handle.prepare` for them."""
-    pipeline = Pipeline(methods, params=params)
+    family = resolve_adapter(model).family if model is not None else processor_family(processor)
+    pipeline = Pipeline(methods, params=params, family=family)
     videos, questions = _as_batch(video, question)
-    inputs, _ = prepare_batch(processor, videos, questions, pipeline, num_frames, fps, system, model)
+    inputs, _ = prepare_batch(processor, videos, questions, pipeline, num_frames, fps, system, model, family)
     return inputs

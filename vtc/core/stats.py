@@ -30,6 +30,9 @@ class ForwardStats:
     grids: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)  # token grid (T, H, W) per video
     layer_visual_tokens: list[int] = dataclasses.field(default_factory=list)
     stages: list[StageRecord] = dataclasses.field(default_factory=list)
+    # what plugins reported (`ctx.report(name=value)`): method -> name -> values in call order (connect hooks
+    # report once per video; decode-time reports land on the prefill they continue)
+    reports: dict[str, dict[str, list[Any]]] = dataclasses.field(default_factory=dict)
     prefill_seconds: float = 0.0  # time inside the LLM (text model) forward
     note: str = ""
 
@@ -43,6 +46,19 @@ class ForwardStats:
         if not self.layer_visual_tokens or not self.visual_tokens_in:
             return 1.0
         return sum(self.layer_visual_tokens) / (len(self.layer_visual_tokens) * self.visual_tokens_in)
+
+    def retention_at(self, reference: str) -> float:
+        """The measured fraction of visual tokens at a `MethodInfo.retention_reference`: "llm_input" (entering the
+        LLM), "last_layer" or "layer_mean" (mean over the LLM layers)."""
+        if not self.visual_tokens_in:
+            return 1.0
+        if reference == "llm_input":
+            return self.llm_tokens_in / self.visual_tokens_in
+        if reference == "last_layer":
+            return self.retention
+        if reference == "layer_mean":
+            return self.mean_layer_retention
+        raise ValueError(f"unknown retention reference {reference!r}; use llm_input, last_layer or layer_mean")
 
     def stage_seconds(self) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -106,6 +122,16 @@ class StatsRecorder:
                 rec.seconds += seconds
                 return
         self._current.stages.append(StageRecord(stage, plugin, 0, 0, seconds))
+
+    def report(self, method: str, values: dict[str, list[Any]]) -> None:
+        """Append what a plugin reported in one hook call (name -> values) to the forward in progress (or, during
+        decode steps, to the prefill they continue)."""
+        target = self._current if self._current is not None else self.last
+        if target is None or not values:
+            return
+        entry = target.reports.setdefault(method, {})
+        for name, items in values.items():
+            entry.setdefault(name, []).extend(items)
 
     def end(self) -> None:
         if self._current is not None:

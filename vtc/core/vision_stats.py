@@ -7,6 +7,9 @@ A plugin asks with `vision_stats(self, family) -> list[VisionStat]`; in `vtc_con
     "received"   [F, L]          attention each key receives: sum over queries, mean over heads
     "cls"        [F, heads, L]   the CLS query's attention row (CLIP towers only)
     "keys"       [F, L, d]       keys averaged over heads (VisionZip's similarity metric)
+    "features"   [F, L, D]       the layer's output hidden states, in the tower's dtype: at layer -1 the tensor
+                                 the projector receives (`hidden_states[vision_feature_layer]`, before the
+                                 tower's post_layernorm; FastVID's SigLIP MAP head reads it). LLaVA only.
   Qwen families (per temporal patch, on the LLM token grid: patch values averaged over each 2x2 merge unit,
   window permutation of Qwen2.5-VL undone):
     "received"   [T, H*W]        as above
@@ -23,7 +26,9 @@ from __future__ import annotations
 
 import dataclasses
 
-KINDS = ("received", "cls", "keys", "mean_query")
+KINDS = ("received", "cls", "keys", "mean_query", "features")
+# kinds read from a layer's output rather than computed from its attention
+HIDDEN_KINDS = ("features",)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,8 +5,9 @@
                                                         inputs_embeds / attention_mask / position_ids (and
                                                         Qwen3-VL DeepStack inputs), start the prefill runtime
   text model forward pre-hook, later forwards           map the growing 2-D attention mask (and positions
-                                                        when renumbered) onto the compressed prompt
-  text model forward hook                               close the stats record
+                                                        when renumbered) onto the compressed prompt; a later
+                                                        forward that brings a new video is refused
+  text model forward hook                               check promised counts, close the stats record
 Everything is undone by `remove()`; nothing touches classes or other model instances.
 """
 
@@ -41,6 +42,7 @@ class PromptMapping:
     attention_mask: Tensor  # [B, L'] mask of the compressed prompt
     next_original_position: Tensor  # [B] first position after the prompt in the original numbering
     position_shift: Tensor | None  # [B] original - compact next position (compact policy only)
+    prompt_tokens: Tensor | None = None  # [B] real (unpadded) prompt tokens of each row
     tokens_after: int = 0  # tokens processed since the prefill
 
 
@@ -76,24 +78,24 @@ class ModelPatch:
         self.vision: VisionCapture | None = None
         self.prepool = None
         self.mapping: PromptMapping | None = None
-        # what handle.prepare produced for a prompt (question text, sampler outputs), keyed by its token ids
+        # what the last handle.prepare call produced (question text, sampler outputs) for each of its prompts,
+        # keyed by the prompt's token ids; replaced by the next call, so it never holds more than one request
         self.prepared: dict[tuple[int, ...], dict[str, Any]] = {}
         self.enabled = True
         self._captured: CapturedInputs | None = None
         self._handles: list[Any] = []
         self._llm_start = 0.0
         self._prefill_ctx: Context | None = None
+        self._final_counts = None  # per-video visual tokens at the last layer of the current prefill
 
     # --- install / remove -------------------------------------------------------------------------------------
     def install(self) -> None:
         adapter = self.adapter
-        stats = set()
-        for entry in self.pipeline.stage_entries("connect"):
-            stats.update(getattr(entry.plugin, "vision_stats", lambda family: [])(adapter.family))
+        stats = self.pipeline.vision_stats(adapter.family)
         if stats:
             self.vision = VisionCapture(adapter, stats)
             self.vision.install()
-        if any(getattr(e.plugin, "needs_prepool", False) for e in self.pipeline.stage_entries("connect")):
+        if self.pipeline.needs_prepool:
             self.prepool = adapter.prepool_capture()
             if self.prepool is not None:
                 self.prepool.install()
@@ -107,9 +109,7 @@ class ModelPatch:
                 self._call_prefill_plugins,
                 adapter.family,
                 deepstack=adapter.deepstack,
-                decode_plugins=any(
-                    getattr(e.plugin, "acts_during_decode", False) for e in self.pipeline.stage_entries("prefill")
-                ),
+                decode_plugins=self.pipeline.acts_during_decode,
             )
             self.runtime.install()
 
@@ -153,6 +153,8 @@ class ModelPatch:
         media = {k: kwargs[k] for k in MEDIA_KWARGS if kwargs.get(k) is not None}
         self._captured = CapturedInputs(input_ids, kwargs.get("attention_mask"), media)
         mapping = self.mapping
+        if mapping is not None and _cache_length(kwargs) > 0:
+            self._check_continuation(mapping, kwargs.get("position_ids"))
         if mapping is not None and _cache_length(kwargs) > 0 and kwargs.get("attention_mask") is None:
             # models derive decode positions from the mask; give them one of the original (uncompressed) length
             if input_ids is not None:
@@ -163,6 +165,28 @@ class ModelPatch:
                 return args, kwargs
         return None
 
+    @staticmethod
+    def _check_continuation(mapping: PromptMapping, position_ids) -> None:
+        """A forward continuing the compressed prompt must start where the sequence stopped. generate derives
+        that from the cache's length, which the compression shortened, so a second generate call on the same
+        cache re-feeds tokens the model already saw; its text positions then start too early."""
+        if position_ids is None or mapping.prompt_tokens is None:
+            return
+        text = position_ids[0] if position_ids.dim() == 3 and position_ids.shape[0] == 4 else None
+        if text is None and position_ids.dim() == 2:
+            text = position_ids  # 1-D RoPE families: the positions are the text positions
+        if text is None or text.shape[-1] == 0:
+            return
+        first = text[:, 0].cpu()
+        expected = mapping.prompt_tokens + mapping.tokens_after
+        if first.shape == expected.shape and not bool((first == expected).all()):
+            raise ValueError(
+                f"this forward continues a compressed prompt at position {int(first[0])}, but the sequence stopped at "
+                f"{int(expected[0])}: generate(past_key_values=...) re-feeds the tokens past the compressed cache's "
+                f"length ({int(first[0])}). vtc cannot continue a compressed cache across generate calls: send the "
+                "whole conversation again without past_key_values (vtc compresses it anew)"
+            )
+
     def _llm_pre_hook(self, module, args, kwargs):
         if not self.enabled:
             return None
@@ -171,8 +195,15 @@ class ModelPatch:
         if embeds is None:
             return None
         if _cache_length(kwargs) > 0:
+            if self._brings_video(captured):
+                raise ValueError(
+                    "this forward continues a cached sequence and brings a new video; vtc compresses the video of "
+                    "a sequence's first forward only, and will not let this one reach the LLM uncompressed. Send the "
+                    "whole conversation as one prompt (no past_key_values), or run this turn under handle.suspended()"
+                )
             return self._continue_prompt(args, kwargs, embeds)
         self.mapping = None
+        self._final_counts = None
         if self.runtime is not None:
             self.runtime.reset()  # also recovers from a forward that raised half-way
         if captured is None or captured.input_ids is None or not self.adapter.has_video(captured):
@@ -183,6 +214,20 @@ class ModelPatch:
         kwargs = self._compress_prompt(kwargs, embeds, captured)
         self._llm_start = time.perf_counter()
         return args, kwargs
+
+    def _brings_video(self, captured: CapturedInputs | None) -> bool:
+        """The forward carries video pixels (or encoder outputs) and video placeholders: a new video, not a
+        decode step (during decoding generate drops the media arguments)."""
+        if captured is None or captured.input_ids is None:
+            return False
+        media = captured.kwargs
+        encoded = (
+            (media.get("mm_encoder_outputs") or {}).get("video")
+            if isinstance(media.get("mm_encoder_outputs"), dict)
+            else media.get("mm_encoder_outputs")
+        )
+        has_media = media.get("pixel_values_videos") is not None or encoded is not None
+        return has_media and self.adapter.has_video(captured)
 
     def _llm_post_hook(self, module, args, kwargs, output):
         if not self.enabled:
@@ -198,7 +243,20 @@ class ModelPatch:
         if stats is not None:
             stats.prefill_seconds = time.perf_counter() - self._llm_start
             self.recorder.end()
+            if stats.has_video and self._final_counts is not None:
+                self._check_promised_counts(stats, self._final_counts())
         return None
+
+    def _check_promised_counts(self, stats, actual: list[int]) -> None:
+        """Where the pipeline promises a count (`retained_count`), every video must end the prefill with exactly
+        that many visual tokens: a serving engine sizes its prompt from the promise."""
+        for grid, count in zip(stats.grids, actual):
+            promised = self.pipeline.retained_count(grid, self.adapter.family)
+            if promised is not None and promised != count:
+                raise RuntimeError(
+                    f"{self.pipeline.spec!r} promised {promised} visual tokens for a video with grid {grid} "
+                    f"(retained_count) but the last LLM layer kept {count}; a plugin breaks its retained_count"
+                )
 
     # --- prefill ---------------------------------------------------------------------------------------------------
     def _compress_prompt(self, kwargs: dict[str, Any], embeds: Tensor, captured: CapturedInputs) -> dict[str, Any]:
@@ -228,6 +286,7 @@ class ModelPatch:
         )
         vision = self.vision.video_stats(spans) if self.vision is not None else [{} for _ in spans]
         prepool = self.prepool.per_video([s.grid[0] for s in spans]) if self.prepool is not None else None
+        self.pipeline.begin_prompt()  # every plugin's ctx.store starts empty for this prompt
         outputs = []
         changed = False
         for k, span in enumerate(spans):
@@ -242,6 +301,7 @@ class ModelPatch:
             outputs.append(out)
         stats.llm_tokens_in = sum(len(o) for o in outputs)
         stats.visual_tokens_out = stats.llm_tokens_in
+        self._final_counts = (lambda: [len(o) for o in outputs]) if self.runtime is None else self._layer_counts(spans)
 
         if changed:
             new = rebuild(embeds, mask, positions, spans, outputs, self.policy == "compact", deepstack, deepstack_mask)
@@ -269,8 +329,8 @@ class ModelPatch:
             self._prefill_ctx = Context(
                 retention=self.pipeline.retention,
                 family=adapter.family,
+                geometry=adapter.geometry,
                 model=adapter.model,
-                extra={"attention_rows": adapter.attention_rows},
             )
         return kwargs
 
@@ -326,13 +386,30 @@ class ModelPatch:
         return Context(
             retention=self.pipeline.retention,
             family=self.adapter.family,
+            geometry=self.adapter.geometry,
             question=question,
             question_ids=question_ids,
             embed_fn=self.adapter.embed,
             generator=generator,
             model=self.adapter.model,
-            extra={"prepared": prepared},
+            prepared=prepared.get("methods", {}),
         )
+
+    def _layer_counts(self, spans: list[VideoSpan]):
+        """A function giving each video's visual tokens at the last LLM layer, once the prefill ran."""
+
+        def counts() -> list[int]:
+            layout = self.runtime.layout
+            seen: dict[int, int] = {}
+            out = []
+            for span in spans:
+                k = seen.get(span.batch, 0)
+                seen[span.batch] = k + 1
+                alive = layout.visual[span.batch] & layout.valid[span.batch] & (layout.video[span.batch] == k)
+                out.append(int(alive.sum()))
+            return out
+
+        return counts
 
     def _mapping(self, mask: Tensor, positions: Tensor, new_mask: Tensor, new_positions: Tensor) -> PromptMapping:
         valid = mask.bool().to(positions.device)
@@ -344,7 +421,7 @@ class ModelPatch:
             new_valid = new_mask.bool().to(new_positions.device)
             next_compact = new_positions.masked_fill(~new_valid[None], -1).amax(dim=(0, 2)) + 1
             shift = next_original - next_compact.to(next_original.device)
-        return PromptMapping(mask.shape[1], new_mask, next_original, shift)
+        return PromptMapping(mask.shape[1], new_mask, next_original, shift, prompt_tokens=mask.sum(1).cpu())
 
     # --- later forwards ----------------------------------------------------------------------------------------
     def _continue_prompt(self, args, kwargs: dict[str, Any], embeds: Tensor):
@@ -355,20 +432,34 @@ class ModelPatch:
             return None
         bsz, q_len, _ = embeds.shape
         before = mapping.tokens_after
-        mapping.tokens_after += q_len
         mask = kwargs.get("attention_mask")
         prefix = mapping.attention_mask.to(embeds.device)
         if mask is None:
             tail = torch.ones(bsz, before + q_len, dtype=prefix.dtype, device=embeds.device)
         elif isinstance(mask, torch.Tensor) and mask.dim() == 2:
-            if mask.shape[1] < mapping.original_length:
+            expected = mapping.original_length + before + q_len
+            if mask.shape[1] != expected:
+                # generate(past_key_values=...) infers how much was processed from the cache's length, which the
+                # compression shortened: it re-feeds tokens the model already saw
+                refed = mask.shape[1] - q_len - prefix.shape[1] - before
                 raise ValueError(
-                    f"attention_mask has {mask.shape[1]} columns but the compressed prompt had "
-                    f"{mapping.original_length}; pass the mask of the whole sequence so far"
+                    f"this forward continues a compressed prompt with {q_len} tokens and an attention mask of "
+                    f"{mask.shape[1]} columns, but {mapping.original_length + before} tokens were processed so far "
+                    f"(the compressed cache holds {prefix.shape[1] + before}); "
+                    + (
+                        f"it re-feeds {-refed} tokens the model already saw, as generate(past_key_values=...) does "
+                        "after a compressed prefill. "
+                        if refed < 0
+                        else ""
+                    )
+                    + "vtc cannot continue a compressed cache across generate calls: send the whole conversation "
+                    "again without past_key_values (vtc compresses it anew), or pass the mask of the whole "
+                    "sequence so far with only the new tokens"
                 )
             tail = mask[:, mapping.original_length :].to(prefix.dtype)
         else:
             raise ValueError("vtc needs a 2-D attention_mask (or none) after a compressed prefill")
+        mapping.tokens_after += q_len
         kwargs["attention_mask"] = torch.cat([prefix, tail], dim=1)
 
         position_ids = kwargs.get("position_ids")

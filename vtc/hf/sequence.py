@@ -12,9 +12,9 @@ import dataclasses
 
 import torch
 
+from vtc.core.contract import TokenLayout
 from vtc.core.tokens import VideoTokens
 from vtc.hf.adapters.base import VideoSpan
-from vtc.hf.llm.runtime import TokenLayout
 
 Tensor = torch.Tensor
 

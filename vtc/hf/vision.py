@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from vtc.core.vision_stats import KINDS, VisionStat  # noqa: F401  (re-exported)
+from vtc.core.vision_stats import HIDDEN_KINDS, KINDS, VisionStat  # noqa: F401  (re-exported)
 from vtc.hf.llm import attention as attn_mod
 
 Tensor = torch.Tensor
@@ -53,12 +53,21 @@ class VisionCapture:
         modules = adapter.vision_attention_modules()
         feature = adapter.vision_feature_layer()
         self.by_module: dict[torch.nn.Module, set[str]] = {}
+        self.hidden_layers: dict[torch.nn.Module, int] = {}  # encoder layer -> index, for HIDDEN_KINDS
         self.layer_of: dict[VisionStat, int] = {}
-        for stat in stats:
+        for stat in sorted(stats, key=lambda s: (s.kind, s.layer)):
             layer = stat.layer if stat.layer >= 0 else feature + 1 + stat.layer
-            layer = max(0, min(layer, len(modules) - 1))  # tiny test towers have fewer layers
+            if not 0 <= layer < len(modules):
+                raise ValueError(
+                    f"vision statistic {stat.kind!r} at layer {stat.layer} resolves to encoder layer {layer}, but this "
+                    f"{adapter.family} vision tower has layers 0..{len(modules) - 1} (its features come from layer "
+                    f"{feature}; negative layers count back from it: -1 = {feature}, -2 = {feature - 1}, ...)"
+                )
             self.layer_of[stat] = layer
-            self.by_module.setdefault(modules[layer], set()).add(stat.kind)
+            if stat.kind in HIDDEN_KINDS:
+                self.hidden_layers[adapter.vision_encoder_layers()[layer]] = layer
+            else:
+                self.by_module.setdefault(modules[layer], set()).add(stat.kind)
         self.module_layer = {m: i for i, m in enumerate(modules)}
         self.calls: list[dict[str, Any]] = []
         self.enabled = True
@@ -75,6 +84,8 @@ class VisionCapture:
             attn_mod.RUNTIME_BY_MODULE[module] = self
         self._config._attn_implementation = attn_mod.ATTENTION_NAME
         self._handles.append(self.adapter.vision_tower.register_forward_pre_hook(self._start_call, with_kwargs=True))
+        for module in self.hidden_layers:
+            self._handles.append(module.register_forward_hook(self._layer_output))
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -92,6 +103,12 @@ class VisionCapture:
         pixels = args[0] if args else next(iter(kwargs.values()))
         self.calls.append({"grid_thw": kwargs.get("grid_thw"), "items": int(pixels.shape[0]), "chunks": {}})
         del self.calls[:-4]  # images and videos of one prompt; older calls are stale
+
+    def _layer_output(self, module, args, output) -> None:
+        if self.calls and self.enabled:
+            hidden = output[0] if isinstance(output, tuple) else output
+            chunks = self.calls[-1]["chunks"].setdefault(self.hidden_layers[module], [])
+            chunks.append({"features": hidden.detach()})
 
     def attention(self, module, query, key, value, attention_mask, **kwargs):
         kinds = self.by_module.get(module)

@@ -10,7 +10,7 @@ import dataclasses
 from typing import Any, Sequence
 
 from vtc.core.tokens import Context
-from vtc.media.video import VideoSource, uniform_indices
+from vtc.media.video import VideoSource, sampling_rule, uniform_indices
 
 DEFAULT_NUM_FRAMES = 16
 
@@ -43,21 +43,37 @@ def sample_frames(
     fps: float | None = None,
     model=None,
     processor=None,
+    family: str | None = None,
 ) -> SampledVideo:
-    """Run the pipeline's `sample` stage (uniform over the whole video when it has none).
+    """Run the pipeline's `sample` stage (uniform over the whole video, by the family's rule, when it has none).
 
-    Samplers see `ctx.question`, `ctx.model` and `ctx.extra["processor"]` (for query-aware scoring) and may
-    leave data for later stages in `ctx.extra["prepared"]` (e.g. QuoTA's per-frame weights)."""
+    Samplers see `ctx.question`, `ctx.family`, `ctx.num_frames`, `ctx.model` and `ctx.processor` (for
+    query-aware scoring) and may leave data for later stages in `ctx.prepared[method]` (QuoTA's frame weights)."""
+    if num_frames is not None and (isinstance(num_frames, bool) or int(num_frames) != num_frames or num_frames < 1):
+        raise ValueError(
+            f"num_frames must be a positive integer (or None for the method's default), got {num_frames!r}"
+        )
     source = VideoSource.open(video, fps=fps)
-    extra = {"num_frames": num_frames, "processor": processor, "prepared": {}}
-    ctx = Context(question=question, model=model, extra=extra)
+    ctx = Context(question=question, family=family, model=model, num_frames=num_frames, processor=processor)
     indices = pipeline.run_sample(source, ctx) if pipeline is not None else None
     if indices is None:
-        indices = uniform_indices(source.num_frames, num_frames or DEFAULT_NUM_FRAMES)
+        indices = uniform_indices(source.num_frames, num_frames or DEFAULT_NUM_FRAMES, sampling_rule(family))
     indices = [int(i) for i in indices]
     if indices != sorted(indices) or not indices:
         raise ValueError(f"a sampler must return a non-empty sorted list of frame indices, got {indices[:8]}...")
-    return SampledVideo(source.read(indices), indices, source, extra["prepared"])
+    return SampledVideo(source.read(indices), indices, source, ctx.prepared)
+
+
+def processor_family(processor) -> str | None:
+    """The model family a processor belongs to (from its class), for the family's frame-sampling rule."""
+    names = {
+        "Qwen2VLProcessor": "qwen2_vl",
+        "Qwen2_5_VLProcessor": "qwen2_5_vl",
+        "Qwen3VLProcessor": "qwen3_vl",
+        "LlavaOnevisionProcessor": "llava_onevision",
+        "LlavaNextVideoProcessor": "llava_next_video",
+    }
+    return names.get(type(processor).__name__)
 
 
 def processor_video_kwargs(processor, sampled: list[SampledVideo]) -> dict[str, Any]:
@@ -90,12 +106,16 @@ def prepare_batch(
     fps: float | None = None,
     system: str | None = None,
     model=None,
+    family: str | None = None,
 ):
     """Processor inputs (a `BatchFeature`) for one question per video, left-padded for generation, and what
-    the sample stage prepared for each video."""
+    the sample stage prepared for each video. `family` (default: the processor's) picks the uniform rule."""
     if len(videos) != len(questions):
         raise ValueError(f"got {len(videos)} videos but {len(questions)} questions; pass one question per video")
-    sampled = [sample_frames(v, q, pipeline, num_frames, fps, model, processor) for v, q in zip(videos, questions)]
+    family = family or processor_family(processor)
+    sampled = [
+        sample_frames(v, q, pipeline, num_frames, fps, model, processor, family) for v, q in zip(videos, questions)
+    ]
     texts = [
         processor.apply_chat_template(build_messages(q, system), add_generation_prompt=True, tokenize=False)
         for q in questions

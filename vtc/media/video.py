@@ -44,25 +44,35 @@ class VideoSource:
         cls, video: "str | os.PathLike | np.ndarray | VideoSource", fps: float | None = None, backend: str | None = None
     ) -> "VideoSource":
         """Wrap a path, a [T, H, W, 3] uint8 array (with its `fps`, default 1.0) or an existing source."""
+        if fps is not None and (isinstance(fps, bool) or not isinstance(fps, (int, float)) or not fps > 0):
+            raise ValueError(f"fps must be a positive number, got {fps!r}")
         if isinstance(video, VideoSource):
             return video
         if isinstance(video, np.ndarray):
-            if video.ndim != 4 or video.shape[-1] != 3:
-                raise ValueError(f"a frame array must be [T, H, W, 3] uint8, got shape {video.shape}")
+            if video.ndim != 4 or video.shape[-1] != 3 or video.shape[0] < 1:
+                raise ValueError(f"a frame array must be [T, H, W, 3] uint8 with T >= 1, got shape {video.shape}")
             frames = np.ascontiguousarray(video, dtype=np.uint8)
             return cls(None, frames.shape[0], float(fps or 1.0), frames.shape[2], frames.shape[1], "array", frames)
         path = os.fspath(video)
         if not os.path.exists(path):
             raise FileNotFoundError(f"video not found: {path}")
-        backends = available_backends()
-        if backend is None:
-            if not backends:
-                raise RuntimeError("no video decoder installed; install one of: decord, torchcodec, av (PyAV)")
-            backend = backends[0]
-        elif backend not in ("decord", "torchcodec", "pyav"):
-            raise ValueError(f"unknown video backend {backend!r}; choose decord, torchcodec or pyav")
-        num, rate, width, height = _PROBE[backend](path)
-        return cls(path, num, float(fps or rate), width, height, backend)
+        if backend is not None and backend not in _PROBE:
+            raise ValueError(f"unknown video backend {backend!r}; choose {', '.join(_PROBE)}")
+        backends = [backend] if backend is not None else available_backends()
+        if not backends:
+            raise RuntimeError("no video decoder installed; install one of: decord, torchcodec, av (PyAV)")
+        errors = []
+        for name in backends:
+            try:
+                num, rate, width, height = _PROBE[name](path)
+            except Exception as err:  # noqa: BLE001 - each decoder fails its own way on a bad file
+                errors.append(f"{name}: {type(err).__name__}: {str(err).strip()[:200]}")
+                continue
+            if num < 1:
+                errors.append(f"{name}: no video frames")
+                continue
+            return cls(path, num, float(fps or rate), width, height, name)
+        raise ValueError(f"cannot read {path} as a video; decoders tried: " + "; ".join(errors))
 
     def read(self, indices: Sequence[int]) -> np.ndarray:
         """Frames at `indices` as a [n, H, W, 3] uint8 array."""
@@ -75,11 +85,40 @@ class VideoSource:
         return _READ[self.backend](self.path, indices)
 
 
-def uniform_indices(total: int, count: int) -> list[int]:
-    """`count` frame indices spread evenly over `total` frames: np.linspace(0, total - 1, count) rounded,
-    the convention of LLaVA-OneVision / LLaVA-Video / QuoTA evaluation code (`force_sample`)."""
-    if count <= 0:
-        raise ValueError(f"number of frames must be positive, got {count}")
+# how each family's reference pipeline spreads N frames over a clip (see `uniform_indices`)
+FRAME_SAMPLING = {
+    "qwen2_vl": "round",
+    "qwen2_5_vl": "round",
+    "qwen3_vl": "round",
+    "llava_onevision": "floor",
+    "llava_next_video": "floor",
+}
+SAMPLING_RULES = ("round", "floor")
+
+
+def sampling_rule(family: str | None) -> str:
+    """The uniform-sampling rule of a family's reference pipeline ("round" when the family is unknown)."""
+    return FRAME_SAMPLING.get(family or "", "round")
+
+
+def uniform_indices(total: int, count: int, rule: str = "round") -> list[int]:
+    """`count` frame indices spread evenly over `total` frames, by one of two reference rules:
+
+    "round": qwen-vl-utils (the Qwen-VL families): `linspace(0, total - 1, count).round()`; a clip with fewer
+        frames than asked gives each frame once (qwen-vl-utils refuses that request; vtc samples what exists).
+    "floor": LLaVA's evaluation wrappers and QuoTA's pipeline: `np.linspace(0, total - 1, count, dtype=int)`,
+        which truncates and keeps duplicates when the clip is shorter: 11 frames, 4 samples -> [0, 3, 6, 10]
+        ("round" gives [0, 3, 7, 10]); 3 frames, 5 samples -> [0, 0, 1, 1, 2].
+    """
+    if isinstance(count, bool) or int(count) != count or count < 1:
+        raise ValueError(f"number of frames must be a positive integer, got {count!r}")
+    if total < 1:
+        raise ValueError(f"the video has no frames (total={total})")
+    if rule not in SAMPLING_RULES:
+        raise ValueError(f"frame sampling rule must be one of {', '.join(SAMPLING_RULES)}, got {rule!r}")
+    count = int(count)
+    if rule == "floor":
+        return np.linspace(0, total - 1, count, dtype=int).tolist()
     if count >= total:
         return list(range(total))
     return np.linspace(0, total - 1, count).round().astype(int).tolist()

@@ -40,33 +40,27 @@ def cmd_methods(args, console: Console) -> int:
 
     infos = vtc.methods()
     if args.json:
-        print(
-            json.dumps(
-                [
-                    {
-                        "name": i.name,
-                        "stages": list(i.stages),
-                        "paper": i.paper,
-                        "url": i.url,
-                        "families": list(i.families),
-                        "fixed_count": i.fixed_count,
-                        "summary": i.summary,
-                    }
-                    for i in infos
-                ],
-                indent=2,
-            )
-        )
+        print(json.dumps([i.capabilities() for i in infos], indent=2, default=str))
         return 0
     table = Table(title="installed vtc methods")
-    for col in ("method", "stage", "paper", "families", "fixed count (serving)", "what it does"):
+    for col in ("method", "stage", "paper", "families", "fixed count", "retention counts", "what it does"):
         table.add_column(col)
     for i in infos:
         families = "all 5" if len(i.families) == 5 else ", ".join(i.families)
-        # a prefill stage acts inside the LLM: its exact count is the last layer's, not what enters the LLM
-        serving = ("last-layer count" if "prefill" in i.stages else "yes") if i.fixed_count else "no"
-        table.add_row(i.name, "+".join(i.stages), i.paper, families, serving, i.summary)
+        if not i.reduces_tokens:
+            fixed, counts = "n/a (sampler)", "-"
+        else:
+            fixed = {"always": "yes", "optional": "optional", "no": "no"}[i.fixed_count_mode]
+            if i.fixed_count and i.acts_in_llm:
+                fixed += " (last layer)"
+            counts = i.retention_reference.replace("_", " ") + ("*" if i.retention_note else "")
+        table.add_row(i.name, "+".join(i.stages), i.paper, families, fixed, counts, i.summary)
     console.print(table)
+    notes = [(i.name, i.retention_note) for i in infos if i.retention_note]
+    if notes:
+        console.print("* where retention is not exact:")
+        for name, note in notes:
+            console.print(f"  [bold]{name}[/bold]: {note}")
     return 0
 
 

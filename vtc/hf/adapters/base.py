@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from vtc.core.geometry import FamilyGeometry
+
 Tensor = torch.Tensor
 
 
@@ -102,7 +104,7 @@ def llava_vision_stats(adapter, calls, spans, layer_of) -> list[dict]:
     stacked = {}
     for stat, layer in layer_of.items():
         chunks = call["chunks"].get(layer, [])
-        stacked[stat] = torch.cat([c[stat.kind] for c in chunks])
+        stacked[stat] = torch.cat([c[stat.kind] for c in chunks if stat.kind in c])
     out = []
     start = 0
     for f in frames:
@@ -160,7 +162,6 @@ class Adapter:
     class_names: tuple[str, ...] = ()
     mrope: bool = False  # 3-D M-RoPE positions (Qwen) vs 1-D RoPE (LLaVA)
     deepstack: bool = False  # Qwen3-VL feeds extra visual features into the first LLM layers
-    attention_rows: int = 1  # prompt rows FrameFusion's official code reads for importance on this family
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
@@ -168,6 +169,11 @@ class Adapter:
     @classmethod
     def matches(cls, model: torch.nn.Module) -> bool:
         return type(model).__name__ in cls.class_names
+
+    @property
+    def geometry(self) -> FamilyGeometry:
+        """How this model's vision tower lands on its LLM token grid (Qwen: statistics already on the grid)."""
+        return FamilyGeometry(self.family, mrope=self.mrope)
 
     # --- where things are ------------------------------------------------------------------------------------
     @property
@@ -209,6 +215,10 @@ class Adapter:
         """Index of the encoder layer whose output the model takes as visual features."""
         raise NotImplementedError
 
+    def vision_encoder_layers(self) -> list[torch.nn.Module]:
+        """The encoder layers of the vision tower, in order (for statistics read from a layer's output)."""
+        raise ValueError(f"{self.family}: vision statistics read from a layer's output are LLaVA-only")
+
     def vision_stats_per_video(self, calls, spans, layer_of) -> list[dict]:
         """Turn captured per-call attention statistics into one dict per video (see `vtc.hf.vision`)."""
         raise NotImplementedError
@@ -233,8 +243,16 @@ class LlavaAdapter(Adapter):
     def vision_attention_modules(self) -> list[torch.nn.Module]:
         return [layer.self_attn for layer in encoder_layers(self.vision_tower)]
 
+    def vision_encoder_layers(self) -> list[torch.nn.Module]:
+        return encoder_layers(self.vision_tower)
+
     def vision_feature_layer(self) -> int:
         return tower_feature_layer(self.model.config.vision_feature_layer, len(self.vision_attention_modules()))
 
     def vision_stats_per_video(self, calls, spans, layer_of) -> list[dict]:
         return llava_vision_stats(self, calls, spans, layer_of)
+
+    @property
+    def patch_side(self) -> int:
+        vision = self.model.config.vision_config
+        return int(vision.image_size // vision.patch_size)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from vtc.core.geometry import FamilyGeometry
 from vtc.hf.adapters.base import (
     CapturedInputs,
     LlavaAdapter,
@@ -18,6 +19,17 @@ from vtc.hf.prepool import PrepoolCapture
 class LlavaNextVideoAdapter(LlavaAdapter):
     family = "llava_next_video"
     class_names = ("LlavaNextVideoForConditionalGeneration",)
+
+    @property
+    def geometry(self) -> FamilyGeometry:
+        """CLIP patches + CLS per frame, pooled by the model's `spatial_pool_mode`. A learned "conv" pooler has no
+        counterpart for attention maps; they are averaged over its 2x2 windows then."""
+        side = self.patch_side
+        mode = getattr(self.model.config, "spatial_pool_mode", "average")
+        pooling = mode if mode in ("average", "max") else "average"
+        return FamilyGeometry(
+            self.family, mrope=False, patch_grid=(side, side), cls_tokens=1, pooling=pooling, pool_before_projector=True
+        )
 
     def prepool_capture(self) -> PrepoolCapture:
         """CLIP features entering the 2x2 pooler (CLS already removed); `pool` = pooler then projector."""

@@ -9,6 +9,7 @@ import math
 
 import torch
 
+from vtc.core.geometry import FamilyGeometry
 from vtc.hf.adapters.base import (
     CapturedInputs,
     LlavaAdapter,
@@ -22,6 +23,11 @@ from vtc.hf.prepool import PrepoolCapture
 class LlavaOnevisionAdapter(LlavaAdapter):
     family = "llava_onevision"
     class_names = ("LlavaOnevisionForConditionalGeneration",)
+
+    @property
+    def geometry(self) -> FamilyGeometry:
+        side = self.patch_side
+        return FamilyGeometry(self.family, mrope=False, patch_grid=(side, side), pooling="bilinear")
 
     def prepool_capture(self) -> PrepoolCapture:
         """Projected SigLIP features before `apply_pooling` (bilinear to ceil(side / 2))."""

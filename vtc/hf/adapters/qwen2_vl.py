@@ -89,7 +89,6 @@ class Qwen2VLAdapter(Adapter):
     family = "qwen2_vl"
     class_names = ("Qwen2VLForConditionalGeneration",)
     mrope = True
-    attention_rows = 4
 
     @property
     def vision_tower(self) -> torch.nn.Module:

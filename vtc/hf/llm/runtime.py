@@ -20,47 +20,16 @@ prompt keys from the following layers for that step (`state.mask_keys`), as DyCo
 
 from __future__ import annotations
 
-import dataclasses
 import types
 from typing import Any, Callable
 
 import torch
 
+from vtc.core.contract import TokenLayout
 from vtc.hf.llm import attention as attn_mod
+from vtc_kernels import mean_into_anchors
 
 Tensor = torch.Tensor
-
-
-@dataclasses.dataclass
-class TokenLayout:
-    """Per-slot bookkeeping of the sequence inside the LLM; every field is [B, n].
-
-    index: position of the slot's token in the sequence that entered the LLM (gathers RoPE rows, and
-           relates slots to the KV cache of earlier layers)
-    valid: a real token (False for padding)
-    visual: a compressible visual token; frame/patch/video are -1 elsewhere
-    patch: spatial index within the frame (row * W + col)
-    """
-
-    index: Tensor
-    valid: Tensor
-    visual: Tensor
-    frame: Tensor
-    patch: Tensor
-    video: Tensor
-    tags: dict[str, Tensor] = dataclasses.field(default_factory=dict)  # connect plugins' labels, -1 elsewhere
-
-    def gather(self, idx: Tensor, valid: Tensor) -> "TokenLayout":
-        fields = {
-            f.name: torch.gather(getattr(self, f.name), 1, idx) for f in dataclasses.fields(self) if f.name != "tags"
-        }
-        fields["valid"] = valid
-        fields["visual"] = fields["visual"] & valid
-        return TokenLayout(**fields, tags={name: torch.gather(t, 1, idx) for name, t in self.tags.items()})
-
-    @property
-    def num_visual(self) -> int:
-        return int((self.visual & self.valid).sum())
 
 
 class LLMState:
@@ -143,6 +112,23 @@ class LLMState:
     def attention_rows_valid(self, layer: int | None = None) -> Tensor:
         """[B, rows] which captured rows are real."""
         return self._rt.captured_rows_valid[self.layer if layer is None else layer]
+
+    def projections(self, rows: Tensor) -> tuple[Tensor, Tensor]:
+        """This layer's query rows and keys before the rotary embedding, from the stream entering it (call at
+        "layer_start"): rows [B, R] slot indices -> (query [B, heads, R, d], key [B, kv_heads, n, d]), computed as
+        the layer's attention computes them (input norm, q/k projections, Qwen3's q/k norms) but stopped before
+        RoPE. PruneVid scores tokens with these."""
+        if self.point != "layer_start" or self.phase != "prefill":
+            raise RuntimeError("projections are available at the 'layer_start' point of a prefill layer")
+        return self._rt.projections(rows)
+
+    def attend_bidirectionally(self) -> None:
+        """Let this layer's prompt tokens attend to every prompt token, later ones included (padding stays
+        masked), for this prefill only. Call at "layer_start". Reproduces official code whose attention-reading
+        layer loses its causal mask (HoliTom's layer k-1 under SDPA)."""
+        if self.point != "layer_start" or self.phase != "prefill":
+            raise RuntimeError("attend_bidirectionally must be called at the 'layer_start' point of a prefill layer")
+        self._rt.bidirectional.add(self.layer)
 
     # changes (prefill)
     def keep(self, mask: Tensor, prune_cache: bool = False) -> None:
@@ -251,6 +237,7 @@ class LLMRuntime:
         self.text_positions: Tensor | None = None
         self.side: dict[str, Tensor] = {}
         self.requests: dict[int, tuple[int | str, bool]] = {}
+        self.bidirectional: set[int] = set()  # prefill layers whose prompt attention is not causal
         self.captured: dict[int, Tensor] = {}
         self.captured_rows_valid: dict[int, Tensor] = {}
         self.grids: list[list[tuple[int, int, int]]] = []
@@ -344,23 +331,30 @@ class LLMRuntime:
         if src.numel() == 0:
             return
         bsz, n = self.layout.valid.shape
-        device = self.hidden.device
-        flat_dst = (batch * n + dst).to(device)
-        flat_src = (batch * n + src).to(device)
-        anchors, counts = torch.unique(flat_dst, return_counts=True)
+        flat_dst = batch * n + dst
+        flat_src = batch * n + src
 
         def fold(x: Tensor) -> Tensor:
-            flat = x.reshape(bsz * n, *x.shape[2:]).clone()
-            flat.index_add_(0, flat_dst.to(x.device), flat[flat_src.to(x.device)])
-            shape = (-1,) + (1,) * (flat.dim() - 1)
-            flat[anchors.to(x.device)] /= (counts + 1).to(x.device, flat.dtype).view(shape)
-            return flat.view(x.shape)
+            flat = x.reshape(bsz * n, *x.shape[2:])
+            return mean_into_anchors(flat, flat_dst.to(x.device), flat_src.to(x.device)).view(x.shape)
 
         self.hidden = fold(self.hidden)
         self.side = {name: fold(t) for name, t in self.side.items()}
         keep = torch.ones(bsz * n, dtype=torch.bool, device=self.layout.valid.device)
         keep[flat_src.to(keep.device)] = False
         self.keep(keep.view(bsz, n))
+
+    def projections(self, rows: Tensor) -> tuple[Tensor, Tensor]:
+        module = self.layers[self.layer]
+        attn = module.self_attn
+        with torch.no_grad():
+            normed = module.input_layernorm(self.hidden)
+            picked = torch.gather(normed, 1, rows.to(normed.device)[..., None].expand(-1, -1, normed.shape[-1]))
+            query = attn.q_proj(picked).view(*picked.shape[:-1], -1, attn.head_dim)
+            key = attn.k_proj(normed).view(*normed.shape[:-1], -1, attn.head_dim)
+            if getattr(attn, "q_norm", None) is not None:  # Qwen3: q/k RMS norms before RoPE
+                query, key = attn.q_norm(query), attn.k_norm(key)
+        return query.transpose(1, 2), key.transpose(1, 2)
 
     def _apply_gather(self, idx: Tensor, valid: Tensor) -> None:
         self.layout = self.layout.gather(idx, valid)
@@ -479,6 +473,9 @@ class LLMRuntime:
             self.layer_altered[layer] = self.altered
             if layer in self.requests:
                 self._capture_prefill(layer, query, key, scaling)
+            if layer in self.bidirectional:
+                mask = self._prefill_mask(layout.valid.to(query.device), causal=False)
+                return attn_mod.original_attention("sdpa")(module, query, key, value, mask, **kwargs)
             if not self.altered:
                 return original(module, query, key, value, attention_mask, **kwargs)
             if kv_len != q_len:
@@ -513,10 +510,11 @@ class LLMRuntime:
         return attn_mod.original_attention("sdpa")(module, query, key, value, visible, **kwargs)
 
     @staticmethod
-    def _prefill_mask(valid: Tensor) -> Tensor:
+    def _prefill_mask(valid: Tensor, causal: bool = True) -> Tensor:
+        """[B, 1, n, n] boolean mask over the prompt's slots: causal (or not) and no padding keys."""
         n = valid.shape[1]
-        causal = torch.ones(n, n, dtype=torch.bool, device=valid.device).tril()
-        mask = causal[None] & valid[:, None, :]
+        order = torch.ones(n, n, dtype=torch.bool, device=valid.device)
+        mask = (order.tril() if causal else order)[None] & valid[:, None, :]
         # a padding query row attends to itself so it stays finite (its output is never used)
         mask |= torch.eye(n, dtype=torch.bool, device=valid.device)[None] & ~valid[:, :, None]
         return mask[:, None]
@@ -549,6 +547,8 @@ class LLMRuntime:
             rows = (last[:, None] - torch.arange(num_rows - 1, -1, -1, device=query.device)[None]).clamp(min=0)
             rows_valid = torch.ones_like(rows, dtype=torch.bool)
         visible = (torch.arange(n, device=query.device)[None, None, :] <= rows[:, :, None]) & valid[:, None, :]
+        if layer in self.bidirectional:  # every row sees every real key
+            visible = valid[:, None, :].expand(-1, rows.shape[1], -1)
         probs = attn_mod.attention_rows(query, key, rows, visible, scaling, upcast)
         self.captured[layer] = probs * rows_valid[:, None, :, None].to(probs.dtype)
         self.captured_rows_valid[layer] = rows_valid

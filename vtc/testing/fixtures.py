@@ -1,0 +1,71 @@
+"""Cached offline fixtures: tiny random-weight models of every family, two generated clips, processor inputs.
+
+    model, processor = model_and_processor("qwen2_vl")          # built once per process, no download
+    inputs = single_inputs("qwen2_vl")                           # one clip and question, 8 frames
+    batch = batch_inputs("qwen2_vl")                             # two clips of different sizes, left-padded
+
+The clips (`vtc.media.video.synthetic_video`) have moving shapes, scene cuts and static stretches, so
+similarity-driven methods have real structure to find. Everything is built with a fixed seed.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import torch
+
+from vtc.api import prepare_inputs
+from vtc.hf.adapters import CapturedInputs, resolve_adapter
+from vtc.hf.patching import MEDIA_KWARGS
+from vtc.media.video import synthetic_video
+from vtc.testing import tiny
+
+FAMILIES = tiny.FAMILIES
+QUESTIONS = ("What happens in this video?", "How many objects are visible in the whole clip, and which one moves?")
+NUM_FRAMES = 8
+ASSETS = os.path.join(os.path.dirname(__file__), "assets")
+
+
+@functools.lru_cache(maxsize=None)
+def model_and_processor(family: str, dtype: torch.dtype = torch.float32, size: str = "tiny"):
+    """A tiny random-weight model of `family` and its processor (built once per process)."""
+    return tiny.build(family, size=size, dtype=dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def videos():
+    """Two clips of different sizes (so a batch needs padding), [T, H, W, 3] uint8."""
+    return synthetic_video(32, 224, 224, seed=0), synthetic_video(24, 160, 200, seed=1)
+
+
+@functools.lru_cache(maxsize=None)
+def single_inputs(family: str, which: int = 0):
+    _, processor = model_and_processor(family)
+    return prepare_inputs(processor, videos()[which], QUESTIONS[which], num_frames=NUM_FRAMES, fps=8)
+
+
+@functools.lru_cache(maxsize=None)
+def batch_inputs(family: str):
+    _, processor = model_and_processor(family)
+    return prepare_inputs(processor, list(videos()), list(QUESTIONS), num_frames=NUM_FRAMES, fps=8)
+
+
+def token_grids(model: torch.nn.Module, inputs: Any) -> list[tuple[int, int, int]]:
+    """The token grid (T, H, W) of every video in `inputs`, read from the processor outputs alone (no forward),
+    as a serving frontend sizes its placeholders."""
+    media = {k: inputs[k] for k in MEDIA_KWARGS if k in inputs and inputs[k] is not None}
+    captured = CapturedInputs(inputs["input_ids"], inputs.get("attention_mask"), media)
+    return [span.grid for span in resolve_adapter(model).video_spans(captured)]
+
+
+def register_tiny_clip() -> bool:
+    """Make open_clip know `vtc-tiny-clip` (a tiny random CLIP, for quota-clip without downloads). False when
+    open_clip is not installed."""
+    try:
+        import open_clip
+    except ImportError:
+        return False
+    open_clip.add_model_config(ASSETS)
+    return True
