@@ -133,5 +133,15 @@ def test_write_a_plugin_example_registers_and_passes(offline):
             with torch.no_grad():
                 model(**inputs)
             assert handle.stats().visual_tokens_out == handle.retained_count(handle.stats().grids[0])
+        # the page's other examples: tiny models and clips in Python, and the conformance matrix as a test file
+        blocks = code_blocks(ROOT / "docs" / "write-a-plugin.md", "python")
+        assert len(blocks) == 3
+        run_python(blocks[1], {})
+        matrix: dict = {}
+        run_python(blocks[2], matrix)
+        cases = [c for c in matrix["conformance"].cases(["keepnorm"]) if c.family == "qwen2_vl"]
+        assert {c.check for c in cases} >= {"identity_at_full_retention", "retention", "fixed_count"}
+        for case in cases[:3]:
+            matrix["test_conformance"](case)
     finally:
         registry._methods.pop("keepnorm", None)
