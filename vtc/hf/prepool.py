@@ -1,7 +1,7 @@
 """Frame features right before a LLaVA model's 2x2 spatial pooling, for plugins that act at that grid.
 
 AOT merges on LLaVA-OneVision's 27 x 27 projected grid and QuoTA resizes that grid per frame; both need the
-features before `apply_pooling`. A plugin sets `needs_prepool = True`; vtc then hooks the module where the
+features before `apply_pooling`. A method declares `MethodInfo(prepool=True)`; vtc then hooks the module where the
 features pass and gives the plugin `ctx.prepool` ([F, h, w, D], one video's frames) and `ctx.pool`, the
 model's own pooling (plus, on LLaVA-NeXT-Video where pooling precedes the projector, the projector), which
 turns a grid of pre-pool features into LLM tokens. Qwen families have no such step (their 2x2 merger is

@@ -13,7 +13,7 @@ Layers cache only the tokens alive when they ran, so the KV cache is ragged acro
 use per-layer key masks recorded at prefill. Survivors keep their original positions (RoPE rows are
 gathered, never recomputed), so decoding continues from the original prompt length.
 
-Plugins that set `acts_during_decode = True` are also called at "layer_start" of every layer during decode
+Methods that declare `MethodInfo(acts_during_decode=True)` are also called at "layer_start" of every layer during decode
 steps (`state.phase == "decode"`), where they may read attention rows of the new token and hide cached
 prompt keys from the following layers for that step (`state.mask_keys`), as DyCoke's dynamic KV pruning does.
 """
