@@ -50,7 +50,9 @@ VERSIONS = ("auto", "llava", "llava_video", "qwen2_5_vl")
 DEFAULT_RATIO = {"llava": 0.10, "llava_video": 0.10, "qwen2_5_vl": 0.27}
 DEFAULT_TAU = {"llava": 0.9, "llava_video": 0.9, "qwen2_5_vl": 0.84}
 # the tower output SigLIP's MAP head reads: the feature layer's hidden states, what the projector receives
-FEATURES_KIND = "features"
+# what the head reads: the feature layer's hidden states [F, L, D_vision], the tensor the projector receives
+# (`hidden_states[vision_feature_layer]`, before `post_layernorm`)
+FEATURES = VisionStat("features", -1)
 HEAD_FAMILIES = "llava_onevision (LLaVA-OneVision and LLaVA-Video checkpoints: SigLIP towers without a CLS token)"
 
 
@@ -457,18 +459,6 @@ def head_applies(geometry: FamilyGeometry) -> bool:
     return geometry.has_prepool_grid and not geometry.cls_tokens
 
 
-def features_stat() -> VisionStat:
-    """What the head reads: the feature layer's hidden states [F, L, D_vision], the tensor the projector receives
-    (`hidden_states[vision_feature_layer]`, before `post_layernorm`)."""
-    try:
-        return VisionStat(FEATURES_KIND, -1)
-    except ValueError:
-        raise RuntimeError(
-            f"fastvid: head= needs the vision-tower statistic VisionStat({FEATURES_KIND!r}, -1) (the hidden states "
-            "the projector receives), which this version of vtc does not capture; drop head= to use the fallback"
-        ) from None
-
-
 def map_head_outputs(post_layernorm: torch.nn.Module, head: torch.nn.Module, features: Tensor) -> tuple[Tensor, Tensor]:
     """SigLIP's MAP head on tower features [F, L, D], as the official `SigLipVisionAbstract`: `post_layernorm`,
     then the head's steps with the probe's attention weights kept (HF's head discards them), in the features' dtype.
@@ -610,9 +600,8 @@ class FastVID:
         if self.params.head is None:
             return [salience_stat(geometry)]
         self.check_head_family(geometry)
-        stat = features_stat()
         self.map_head()  # load now, so a checkpoint that does not load fails at vtc.patch
-        return [stat]
+        return [FEATURES]
 
     def check_head_family(self, geometry: FamilyGeometry) -> None:
         if not head_applies(geometry):
@@ -634,10 +623,10 @@ class FastVID:
         14x14, the official `get_attn_2dPool`), and the pooled output."""
         geometry = ctx.geometry
         self.check_head_family(geometry)
-        features = ctx.vision.get(features_stat())
+        features = ctx.vision.get(FEATURES)
         if features is None:
             raise RuntimeError(
-                f"fastvid: head= reads VisionStat({FEATURES_KIND!r}, -1) from ctx.vision, but this context has none"
+                "fastvid: head= reads VisionStat('features', -1) from ctx.vision, but this context has none"
             )
         pooled, weights = self.map_head()(features)
         salience = geometry.pool_grid(geometry.patch_map(weights), size)  # in the features' dtype, as official

@@ -93,3 +93,34 @@ def connect_inputs(model, inputs, stats=(), prepool: bool = False):
     finally:
         patch.remove()
     return spy.seen[0]
+
+
+def keep_plugin_source(name: str) -> str:
+    """Source of a third-party plugin module registering `name`, a connect method that keeps every token."""
+    return (
+        "import dataclasses\n"
+        "from vtc import MethodInfo, hookimpl\n"
+        "@dataclasses.dataclass\n"
+        "class P:\n"
+        "    pass\n"
+        "class Keep:\n"
+        "    def __init__(self, params, retention):\n"
+        "        pass\n"
+        "    @hookimpl\n"
+        "    def vtc_connect(self, tokens, ctx):\n"
+        "        return tokens\n"
+        "@hookimpl\n"
+        "def vtc_register_methods(registry):\n"
+        f"    registry.add(MethodInfo(name={name!r}, factory=Keep, params=P, stages=('connect',), paper='x'))\n"
+    )
+
+
+def fake_distribution(root, module: str, package: str, entry: str, source: str | None = None) -> None:
+    """What `pip install` leaves for importlib.metadata: a dist-info folder of `package` exposing `module` in the
+    `vtc` entry-point group as `entry` (and the module itself, when `source` is given), under `root`."""
+    if source is not None:
+        (root / f"{module}.py").write_text(source)
+    dist = root / f"{module}-0.1.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {package}\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text(f"[vtc]\n{entry} = {module}\n")

@@ -14,6 +14,7 @@ import torch
 
 import vtc
 from tests.conftest import model_and_processor, single_inputs, videos
+from tests.probes import fake_distribution, keep_plugin_source
 from vtc.core.hookspecs import hookimpl
 from vtc.core.pipeline import Pipeline, validate_grid
 from vtc.core.registry import MethodInfo, Registry, registry
@@ -605,27 +606,9 @@ def test_method_not_supporting_family(monkeypatch):
 
 def test_third_party_plugin_from_entry_point(tmp_path, monkeypatch):
     """A package exposing a module in the `vtc` entry-point group shows up in the registry."""
-    package = tmp_path / "vtc_thirdparty_demo.py"
-    package.write_text(
-        "import dataclasses\n"
-        "from vtc import MethodInfo, hookimpl\n"
-        "@dataclasses.dataclass\n"
-        "class P:\n"
-        "    pass\n"
-        "class Keep:\n"
-        "    def __init__(self, params, retention):\n"
-        "        pass\n"
-        "    @hookimpl\n"
-        "    def vtc_connect(self, tokens, ctx):\n"
-        "        return tokens\n"
-        "@hookimpl\n"
-        "def vtc_register_methods(registry):\n"
-        "    registry.add(MethodInfo(name='thirdparty', factory=Keep, params=P, stages=('connect',), paper='x'))\n"
+    fake_distribution(
+        tmp_path, "vtc_thirdparty_demo", "vtc-thirdparty-demo", "thirdparty", keep_plugin_source("thirdparty")
     )
-    dist = tmp_path / "vtc_thirdparty_demo-0.1.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: vtc-thirdparty-demo\nVersion: 0.1\n")
-    (dist / "entry_points.txt").write_text("[vtc]\nthirdparty = vtc_thirdparty_demo\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delenv("VTC_DISABLE_PLUGIN_AUTOLOAD", raising=False)
     from vtc.core.registry import registry
@@ -643,54 +626,20 @@ def test_third_party_plugin_from_entry_point(tmp_path, monkeypatch):
         registry.cache_clear()
 
 
-def fake_distribution(root, module: str, source: str, package: str, entry: str) -> None:
-    """A module and an installed distribution exposing it in the `vtc` entry-point group."""
-    (root / f"{module}.py").write_text(source)
-    dist = root / f"{module}-0.1.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {package}\nVersion: 0.1\n")
-    (dist / "entry_points.txt").write_text(f"[vtc]\n{entry} = {module}\n")
-
-
 def test_broken_third_party_plugins_are_skipped_with_a_warning(tmp_path, monkeypatch):
     """A plugin package that fails to import, fails to register, or registers nothing is skipped with a
     RuntimeWarning naming it; the built-in methods and a working third-party plugin keep working."""
-    good = (
-        "import dataclasses\n"
-        "from vtc import MethodInfo, hookimpl\n"
-        "@dataclasses.dataclass\n"
-        "class P:\n"
-        "    pass\n"
-        "class Keep:\n"
-        "    def __init__(self, params, retention):\n"
-        "        pass\n"
-        "    @hookimpl\n"
-        "    def vtc_connect(self, tokens, ctx):\n"
-        "        return tokens\n"
-        "@hookimpl\n"
-        "def vtc_register_methods(registry):\n"
-        "    registry.add(MethodInfo(name='goodplugin', factory=Keep, params=P, stages=('connect',), paper='x'))\n"
-    )
-    fake_distribution(tmp_path, "vtc_good_demo", good, "vtc-good-demo", "goodplugin")
+    good = keep_plugin_source("goodplugin")
+    fake_distribution(tmp_path, "vtc_good_demo", "vtc-good-demo", "goodplugin", good)
     fake_distribution(
-        tmp_path, "vtc_noimport_demo", "import vtc_missing_dependency_xyz\n", "vtc-noimport-demo", "noimport"
+        tmp_path, "vtc_noimport_demo", "vtc-noimport-demo", "noimport", "import vtc_missing_dependency_xyz\n"
     )
-    fake_distribution(
-        tmp_path,
-        "vtc_raising_demo",
-        # adds a method, then raises: all or nothing, so the half-registered method must not stay
-        good.replace("name='goodplugin'", "name='halfway'") + "    raise RuntimeError('boom')\n",
-        "vtc-raising-demo",
-        "raising",
-    )
-    fake_distribution(
-        tmp_path,
-        "vtc_duplicate_demo",
-        good.replace("name='goodplugin'", "name='fastv'"),  # a name a built-in method already has
-        "vtc-duplicate-demo",
-        "duplicate",
-    )
-    fake_distribution(tmp_path, "vtc_empty_demo", "X = 1\n", "vtc-empty-demo", "empty")
+    # adds a method, then raises: all or nothing, so the half-registered method must not stay
+    halfway = keep_plugin_source("halfway") + "    raise RuntimeError('boom')\n"
+    fake_distribution(tmp_path, "vtc_raising_demo", "vtc-raising-demo", "raising", halfway)
+    # a name a built-in method already has
+    fake_distribution(tmp_path, "vtc_duplicate_demo", "vtc-duplicate-demo", "duplicate", keep_plugin_source("fastv"))
+    fake_distribution(tmp_path, "vtc_empty_demo", "vtc-empty-demo", "empty", "X = 1\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delenv("VTC_DISABLE_PLUGIN_AUTOLOAD", raising=False)
     from vtc.core.registry import registry as global_registry

@@ -12,14 +12,13 @@ import torch
 import torch.nn.functional as F
 
 import vtc
-import vtc.core.vision_stats as vision_stats_module
 from tests.conftest import FAMILIES, batch_inputs, grid_tokens, model_and_processor, single_inputs
 from tests.probes import connect_inputs, llm_inputs
 from vtc.core.geometry import default_geometry
 from vtc.core.tokens import Context, VideoTokens
 from vtc.core.vision_stats import VisionStat
 from vtc_plugins.fastvid import (
-    FEATURES_KIND,
+    FEATURES,
     FastVID,
     FastVIDParams,
     MAPHead,
@@ -29,7 +28,6 @@ from vtc_plugins.fastvid import (
     fastvid_llava,
     fastvid_llava_video,
     fastvid_qwen25,
-    features_stat,
     fixed_target,
     llava_anchor_quotas,
     llava_frame_budget,
@@ -684,7 +682,6 @@ def test_exact_count_on_every_frame_grid():
 
 # the tiny LLaVA-OneVision tower (vtc.testing.tiny): SigLIP 64 wide, 4 heads, 384 / 14 -> 27 x 27 patches
 TINY_SIGLIP = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4)
-HAS_FEATURES = FEATURES_KIND in vision_stats_module.KINDS  # the core captures the tower's hidden states
 
 
 def save_siglip(path, seed: int = 0, vision_use_head: bool = True, width: int = 64):
@@ -705,13 +702,6 @@ def siglip(tmp_path_factory):
     """(checkpoint path, its vision model) of a tiny random SigLIP whose width fits the tiny LLaVA-OV tower."""
     path = tmp_path_factory.mktemp("siglip") / "tiny-siglip"
     return str(path), save_siglip(path)
-
-
-@pytest.fixture
-def features_kind(monkeypatch):
-    """VisionStat("features", -1) constructible, as the core capture it relies on provides."""
-    if not HAS_FEATURES:
-        monkeypatch.setattr(vision_stats_module, "KINDS", vision_stats_module.KINDS + (FEATURES_KIND,))
 
 
 def hf_head(vision, features):
@@ -796,7 +786,7 @@ def same_plan(a, b):
 
 
 @pytest.mark.parametrize("version", ["llava", "llava_video"])
-def test_head_gives_fastvid_its_salience_and_frame_feature(siglip, features_kind, version):
+def test_head_gives_fastvid_its_salience_and_frame_feature(siglip, version):
     """On the tiny LLaVA-OneVision model's own tower output, the plugin's plan is the plan made from HF's head
     by hand; without head= the same context gives the fallback plan (attention received, token means)."""
     path, vision = siglip
@@ -804,10 +794,10 @@ def test_head_gives_fastvid_its_salience_and_frame_feature(siglip, features_kind
     inputs = single_inputs("llava_onevision")
     tokens, ctx = connect_inputs(model, inputs, [VisionStat("received", -1)])
     features = video_features(model, inputs)
-    ctx.vision[features_stat()] = features
+    ctx.vision[FEATURES] = features
     kw = dict(dyseg_c=2, dyseg_tau=-1.0, version=version)  # one cut: at the lowest MAP-feature similarity
     plugin = FastVID(FastVIDParams(head=path, **kw), 0.3)
-    assert plugin.vision_stats("llava_onevision") == [VisionStat(FEATURES_KIND, -1)]
+    assert plugin.vision_stats("llava_onevision") == [FEATURES]
     ctx.generator = torch.Generator().manual_seed(0)
     out = plugin.vtc_connect(tokens=tokens, ctx=ctx)
     (plan,) = ctx.reports["plan"]
@@ -838,7 +828,7 @@ def test_head_gives_fastvid_its_salience_and_frame_feature(siglip, features_kind
     assert not torch.equal(fallback.salient, plan.salient)  # the head's salience is not the attention's
 
 
-def test_head_frame_features_follow_the_frames_present(siglip, features_kind):
+def test_head_frame_features_follow_the_frames_present(siglip):
     """After an earlier plugin dropped whole frames, DySeg compares the MAP features of the frames left."""
     path, vision = siglip
     features = torch.randn(4, 729, 64, generator=torch.Generator().manual_seed(3))
@@ -848,7 +838,7 @@ def test_head_frame_features_follow_the_frames_present(siglip, features_kind):
     ctx = Context(
         family="llava_onevision",
         geometry=default_geometry("llava_onevision"),
-        vision={features_stat(): features},
+        vision={FEATURES: features},
         generator=torch.Generator().manual_seed(0),
     )
     FastVID(FastVIDParams(head=path, dyseg_c=2, dyseg_tau=-1.0), 0.3).vtc_connect(tokens=tokens, ctx=ctx)
@@ -858,7 +848,6 @@ def test_head_frame_features_follow_the_frames_present(siglip, features_kind):
     assert plan.segments == ([1, 2] if sim[0] < sim[1] else [2, 1])
 
 
-@pytest.mark.skipif(not HAS_FEATURES, reason="the core does not capture VisionStat('features') yet")
 def test_patched_model_uses_the_head_end_to_end(siglip):
     """vtc.patch(model, "fastvid", head=...) on LLaVA-OneVision: the LLM receives the plan made from HF's head on
     the tower output the projector receives."""
@@ -881,7 +870,7 @@ def test_patched_model_uses_the_head_end_to_end(siglip):
     assert torch.equal(out[:start], full[:start]) and torch.equal(out[start + len(ref) :], full[start + len(tokens) :])
 
 
-def test_head_errors_name_the_checkpoint_and_the_families(siglip, tmp_path, features_kind):
+def test_head_errors_name_the_checkpoint_and_the_families(siglip, tmp_path):
     path, _ = siglip
     with pytest.raises(ValueError, match="head must be"):
         FastVIDParams(head="")
@@ -908,7 +897,7 @@ def test_head_errors_name_the_checkpoint_and_the_families(siglip, tmp_path, feat
     ctx = Context(
         family="llava_onevision",
         geometry=default_geometry("llava_onevision"),
-        vision={features_stat(): torch.randn(2, 729, 64)},
+        vision={FEATURES: torch.randn(2, 729, 64)},
         generator=torch.Generator(),
     )
     with pytest.raises(ValueError, match="32 wide but the vision tower's features are 64"):
@@ -928,10 +917,3 @@ def test_head_on_another_family_fails_at_patch_time(siglip, family):
     with pytest.raises(ValueError, match=f"applies to llava_onevision .*not to {family}"):
         vtc.patch(model, "fastvid", head=path)
     assert vtc.api.resolve_adapter(model).outer._forward_pre_hooks == {}  # nothing was installed
-
-
-def test_head_without_the_core_capture_says_so(siglip, monkeypatch):
-    path, _ = siglip
-    monkeypatch.setattr(vision_stats_module, "KINDS", tuple(k for k in vision_stats_module.KINDS if k != "features"))
-    with pytest.raises(RuntimeError, match="does not capture"):
-        FastVID(FastVIDParams(head=path), None).vision_stats("llava_onevision")

@@ -11,25 +11,18 @@ import pytest
 
 import vtc
 from tests.conftest import FAMILIES
+from tests.probes import fake_distribution
 from vtc.core.registry import CONFORMANCE_CHECKS, registry
 from vtc.testing import conformance
 
 EXAMPLE = Path(__file__).parent / "plugin_example"
 
 
-def install_distribution(root: Path, name: str, entry_points: str) -> None:
-    """What `pip install` leaves for importlib.metadata: a dist-info folder with the entry points."""
-    dist = root / f"{name}-0.1.0.dist-info"
-    dist.mkdir(parents=True)
-    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1.0\n")
-    (dist / "entry_points.txt").write_text(entry_points)
-
-
 @pytest.fixture(scope="module")
 def keepnorm_installed(tmp_path_factory):
     """The example package installed (its source and a dist-info on sys.path), with plugin autoload on."""
     site = tmp_path_factory.mktemp("site")
-    install_distribution(site, "vtc_keepnorm", "[vtc]\nkeepnorm = vtc_keepnorm\n")
+    fake_distribution(site, "vtc_keepnorm", "vtc_keepnorm", "keepnorm")
     patcher = pytest.MonkeyPatch()
     patcher.syspath_prepend(str(EXAMPLE))
     patcher.syspath_prepend(str(site))
@@ -87,10 +80,10 @@ def test_a_wrong_count_is_caught_on_the_first_forward(keepnorm_installed):
 
 
 def test_broken_or_empty_packages_are_skipped_with_a_warning(tmp_path, monkeypatch):
-    (tmp_path / "vtc_broken_plugin.py").write_text("raise ImportError('needs a GPU library')\n")
-    (tmp_path / "vtc_empty_plugin.py").write_text("# registers nothing\n")
-    install_distribution(tmp_path, "vtc_broken", "[vtc]\nbroken = vtc_broken_plugin\n")
-    install_distribution(tmp_path, "vtc_empty", "[vtc]\nempty = vtc_empty_plugin\n")
+    fake_distribution(
+        tmp_path, "vtc_broken_plugin", "vtc_broken", "broken", "raise ImportError('needs a GPU library')\n"
+    )
+    fake_distribution(tmp_path, "vtc_empty_plugin", "vtc_empty", "empty", "# registers nothing\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delenv("VTC_DISABLE_PLUGIN_AUTOLOAD", raising=False)
     registry.cache_clear()

@@ -207,9 +207,6 @@ class Pipeline:
                 )
         self.family = family
 
-    def check_family(self, family: str) -> None:  # the name of the first contract
-        self.bind(family)
-
     # --- introspection -------------------------------------------------------------------------------------
     def names(self) -> list[str]:
         return [e.info.name for e in self.entries]

@@ -220,14 +220,7 @@ class ModelPatch:
         decode step (during decoding generate drops the media arguments)."""
         if captured is None or captured.input_ids is None:
             return False
-        media = captured.kwargs
-        encoded = (
-            (media.get("mm_encoder_outputs") or {}).get("video")
-            if isinstance(media.get("mm_encoder_outputs"), dict)
-            else media.get("mm_encoder_outputs")
-        )
-        has_media = media.get("pixel_values_videos") is not None or encoded is not None
-        return has_media and self.adapter.has_video(captured)
+        return captured.has_video_media and self.adapter.has_video(captured)
 
     def _llm_post_hook(self, module, args, kwargs, output):
         if not self.enabled:
@@ -439,20 +432,11 @@ class ModelPatch:
         elif isinstance(mask, torch.Tensor) and mask.dim() == 2:
             expected = mapping.original_length + before + q_len
             if mask.shape[1] != expected:
-                # generate(past_key_values=...) infers how much was processed from the cache's length, which the
-                # compression shortened: it re-feeds tokens the model already saw
-                refed = mask.shape[1] - q_len - prefix.shape[1] - before
                 raise ValueError(
                     f"this forward continues a compressed prompt with {q_len} tokens and an attention mask of "
                     f"{mask.shape[1]} columns, but {mapping.original_length + before} tokens were processed so far "
-                    f"(the compressed cache holds {prefix.shape[1] + before}); "
-                    + (
-                        f"it re-feeds {-refed} tokens the model already saw, as generate(past_key_values=...) does "
-                        "after a compressed prefill. "
-                        if refed < 0
-                        else ""
-                    )
-                    + "vtc cannot continue a compressed cache across generate calls: send the whole conversation "
+                    f"(the compressed cache holds {prefix.shape[1] + before}), so the mask should have {expected}. "
+                    "vtc cannot continue a compressed cache across generate calls: send the whole conversation "
                     "again without past_key_values (vtc compresses it anew), or pass the mask of the whole "
                     "sequence so far with only the new tokens"
                 )

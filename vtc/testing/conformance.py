@@ -219,12 +219,14 @@ def _planned(handle, stats, method: str) -> int:
     counts = [handle.retained_count(grid) for grid in stats.grids]
     if all(c is not None for c in counts):
         return sum(counts)
-    info = _info(method)
-    if not info.acts_in_llm or info.retention_reference == "llm_input" and "kept" not in stats.reports.get(method, {}):
-        return stats.llm_tokens_in  # decided before the LLM: what the connect stage handed over (checked by vtc)
     kept = stats.reports.get(method, {}).get("kept")
-    assert kept is not None, f"{method} acts in the LLM with an adaptive count but reports no ctx.report(kept=...)"
-    return sum(kept)
+    if kept is not None:  # what the method says it kept (per batch row)
+        return sum(kept)
+    info = _info(method)
+    assert not info.acts_in_llm or info.retention_reference == "llm_input", (
+        f"{method} acts in the LLM with an adaptive count but reports no ctx.report(kept=...)"
+    )
+    return stats.llm_tokens_in  # decided before the LLM: what the connect stage handed over (checked by vtc)
 
 
 def check_planned_count(method: str, family: str) -> None:

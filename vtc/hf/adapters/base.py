@@ -26,6 +26,16 @@ class CapturedInputs:
     attention_mask: Tensor | None
     kwargs: dict[str, Any]
 
+    @property
+    def encoded_videos(self) -> Any:
+        """The video encoder outputs generate computed beforehand (`mm_encoder_outputs["video"]`), if any."""
+        return (self.kwargs.get("mm_encoder_outputs") or {}).get("video")
+
+    @property
+    def has_video_media(self) -> bool:
+        """The forward carries video pixels or pre-encoded video features."""
+        return self.kwargs.get("pixel_values_videos") is not None or self.encoded_videos is not None
+
 
 @dataclasses.dataclass
 class VideoSpan:
@@ -72,7 +82,7 @@ def frames_per_video(captured: CapturedInputs, tokens_per_frame: int, trailing_s
     pixels = captured.kwargs.get("pixel_values_videos")
     if pixels is not None:
         return [int(pixels.shape[1])] * int(pixels.shape[0])
-    encoded = (captured.kwargs.get("mm_encoder_outputs") or {}).get("video")
+    encoded = captured.encoded_videos
     if encoded is None:
         raise ValueError("the prompt has video tokens but the model got no pixel_values_videos or mm_encoder_outputs")
     # per video: [frames, tokens, D] (LLaVA-NeXT-Video in transformers < 5.2x) or [tokens, D]
