@@ -7,6 +7,7 @@ continued cache), `retained_count` bound to a family, and third-party plugins th
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import warnings
 
 import pytest
@@ -546,14 +547,17 @@ def test_new_video_on_a_continued_cache_is_refused_and_text_continues(family):
             pad = full_ids.shape[1] - inputs["input_ids"].shape[1]
             full["mm_token_type_ids"] = torch.nn.functional.pad(inputs["mm_token_type_ids"], (0, pad))
             # transformers derives Qwen's M-RoPE positions from the whole mask: pass the new tokens' positions
-            positions = model.model.compute_3d_position_ids(
+            # the cache argument is `past_key_values` in transformers 5.19 (vLLM's pin) and `cache` in 5.24
+            compute = model.model.compute_3d_position_ids
+            cache_arg = "cache" if "cache" in inspect.signature(compute).parameters else "past_key_values"
+            positions = compute(
                 input_ids=full_ids,
                 image_grid_thw=None,
                 video_grid_thw=inputs["video_grid_thw"],
                 inputs_embeds=None,
                 attention_mask=full["attention_mask"],
-                cache=None,
                 mm_token_type_ids=full["mm_token_type_ids"],
+                **{cache_arg: None},
             )
             extra["position_ids"] = positions[..., -new.shape[1] :]
         with torch.no_grad():

@@ -20,9 +20,10 @@ from typing import Any
 
 import torch
 
+from vtc.core.engine import connect_video
 from vtc.core.pipeline import Pipeline
 from vtc.core.stats import StatsRecorder
-from vtc.core.tokens import Context, VideoTokens
+from vtc.core.tokens import Context
 from vtc.hf.adapters import Adapter, CapturedInputs, VideoSpan
 from vtc.hf.llm.runtime import LLMRuntime
 from vtc.hf.sequence import deepstack_per_token, identity_layout, rebuild
@@ -172,7 +173,9 @@ class ModelPatch:
         cache re-feeds tokens the model already saw; its text positions then start too early."""
         if position_ids is None or mapping.prompt_tokens is None:
             return
-        text = position_ids[0] if position_ids.dim() == 3 and position_ids.shape[0] == 4 else None
+        # generate passes Qwen models a leading "text" row ([4, B, L]); transformers 5.19 passes only that row
+        # ([1, B, L]) when it continues a cache it was handed
+        text = position_ids[0] if position_ids.dim() == 3 and position_ids.shape[0] in (1, 4) else None
         if text is None and position_ids.dim() == 2:
             text = position_ids  # 1-D RoPE families: the positions are the text positions
         if text is None or text.shape[-1] == 0:
@@ -283,13 +286,14 @@ class ModelPatch:
         outputs = []
         changed = False
         for k, span in enumerate(spans):
-            tokens = self._video_tokens(span, embeds, positions, deepstack)
             ctx = self._context(span, captured, mask)
             ctx.video_index = k
             ctx.vision = vision[k]
             if prepool is not None:
                 ctx.prepool, ctx.pool, ctx.project = prepool[k], self.prepool.pool, self.prepool.projection
-            out = self.pipeline.run_connect(tokens, ctx, self.recorder)
+            tokens, out = connect_video(
+                self.pipeline, ctx=ctx, recorder=self.recorder, **self._video_inputs(span, embeds, positions, deepstack)
+            )
             changed |= out is not tokens  # plugins return their input untouched when they keep everything
             outputs.append(out)
         stats.llm_tokens_in = sum(len(o) for o in outputs)
@@ -344,23 +348,20 @@ class ModelPatch:
             return position_ids
         return position_ids.expand(bsz, -1)[None]
 
-    def _video_tokens(
+    def _video_inputs(
         self, span: VideoSpan, embeds: Tensor, positions: Tensor, deepstack: Tensor | None
-    ) -> VideoTokens:
+    ) -> dict[str, Any]:
+        """What the connect engine needs of one video: its slice of the prompt embeddings (raster order on its
+        grid), original positions, timestamps, DeepStack features and where each token sits in the prompt."""
         idx = span.seq_index.to(embeds.device)
-        frame, row, col = span.frame_row_col()
         pos = positions[:, span.batch, idx.to(positions.device)]
         extras = {}
         if deepstack is not None:
             extras["deepstack"] = deepstack[span.batch, idx.to(deepstack.device)]
-        return VideoTokens(
+        return dict(
             embeds=embeds[span.batch, idx],
-            positions=pos if self.adapter.mrope else pos[0],
-            frame=frame.to(embeds.device),
-            row=row.to(embeds.device),
-            col=col.to(embeds.device),
-            weight=torch.ones(span.num_tokens, device=embeds.device, dtype=torch.float32),
             grid=span.grid,
+            positions=pos if self.adapter.mrope else pos[0],
             timestamps=span.timestamps,
             extras=extras,
             seq_index=idx,

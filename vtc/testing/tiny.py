@@ -363,3 +363,29 @@ def _build_llava_next_video(shape: TinySize, tokenizer):
         chat_template=LLAVA_NEXT_VIDEO_CHAT_TEMPLATE,
     )
     return LlavaNextVideoForConditionalGeneration(config), processor
+
+
+def save(family: str, path: str, size: str = "tiny", seed: int = 0, dtype: torch.dtype = torch.float32) -> str:
+    """Save a tiny random-weight model of `family` and its processor to `path`, loadable offline by transformers
+    and by vLLM (`vllm.LLM(path)`, `vllm serve path`). Returns `path`.
+
+    transformers 5.x saves LLaVA vision towers as `vision_tower.embeddings...`; vLLM's loaders expect the CLIP /
+    SigLIP wrapper name (`vision_tower.vision_model...`), so the checkpoint is rewritten with those names
+    (transformers reads both)."""
+    import os
+
+    from safetensors.torch import load_file, save_file
+
+    model, processor = build(family, size=size, seed=seed, dtype=dtype)
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    if family.startswith("llava"):
+        weights = os.path.join(path, "model.safetensors")
+        state = load_file(weights)
+        renamed = {}
+        for key, value in state.items():
+            if ".vision_tower." in f".{key}" and ".vision_model." not in key:
+                key = key.replace("vision_tower.", "vision_tower.vision_model.", 1)
+            renamed[key] = value
+        save_file(renamed, weights, metadata={"format": "pt"})
+    return path

@@ -107,7 +107,12 @@ def tower_feature_layer(vision_feature_layer, num_layers: int) -> int:
 
 def llava_vision_stats(adapter, calls, spans, layer_of) -> list[dict]:
     """LLaVA towers see every frame as one batch item: split each statistic by frames per video."""
-    frames = [span.grid[0] for span in spans]
+    return llava_stats_per_video(calls, [span.grid[0] for span in spans], layer_of)
+
+
+def llava_stats_per_video(calls, frames: list[int], layer_of) -> list[dict]:
+    """Split the statistics of the tower call that encoded `sum(frames)` frames into one dict per video (shared by
+    the HF and vLLM backends; `calls`: [{"items": frames encoded, "chunks": {layer: [stats of each chunk]}}])."""
     call = next((c for c in reversed(calls) if c["items"] == sum(frames)), None)
     if call is None:
         raise RuntimeError("no vision-tower call for these videos was captured (was the vision tower bypassed?)")

@@ -51,11 +51,17 @@ def video_runs(input_ids: torch.Tensor, video_token_id: int) -> list[tuple[int, 
 
 
 def qwen_vision_stats(adapter, calls, spans, layer_of, window_index_fn=None) -> list[dict]:
-    """Statistics on the LLM token grid: find the tower call that encoded these videos, concatenate its
-    attention chunks (one per temporal patch, or per window), undo Qwen2.5-VL's window permutation, average
-    each 2x2 merge unit, and split per video into [T, H*W(, d)]."""
+    """Statistics on the LLM token grid for the videos of `spans` (see `qwen_stats_on_grid`)."""
     merge = int(adapter.model.config.vision_config.spatial_merge_size)
-    wanted = [span.grid for span in spans]
+    return qwen_stats_on_grid(merge, calls, [span.grid for span in spans], layer_of, window_index_fn)
+
+
+def qwen_stats_on_grid(merge: int, calls, grids, layer_of, window_index_fn=None) -> list[dict]:
+    """Statistics on the LLM token grid: find the tower call that encoded videos of token grids `grids`,
+    concatenate its attention chunks (one per temporal patch, or per window), undo Qwen2.5-VL's window
+    permutation, average each merge unit, and split per video into [T, H*W(, d)]. Shared by the HF and vLLM
+    backends (`calls`: [{"grid_thw": [videos, 3] in patches, "chunks": {layer: [stats of each chunk]}}])."""
+    wanted = [tuple(int(v) for v in grid) for grid in grids]
     call = None
     for candidate in reversed(calls):
         grid_thw = candidate["grid_thw"]
@@ -67,7 +73,7 @@ def qwen_vision_stats(adapter, calls, spans, layer_of, window_index_fn=None) -> 
     if call is None:
         raise RuntimeError("no vision-tower call for these videos was captured (was the vision tower bypassed?)")
     unit = merge * merge
-    out: list[dict] = [{} for _ in spans]
+    out: list[dict] = [{} for _ in wanted]
     for stat, layer in layer_of.items():
         values = torch.cat([chunk[stat.kind] for chunk in call["chunks"].get(layer, [])], dim=1)[0]
         units = values.reshape(values.shape[0] // unit, unit, *values.shape[1:])
@@ -78,8 +84,7 @@ def qwen_vision_stats(adapter, calls, spans, layer_of, window_index_fn=None) -> 
             units = restored
         per_token = units.mean(dim=1)
         start = 0
-        for k, span in enumerate(spans):
-            t, h, w = span.grid
+        for k, (t, h, w) in enumerate(wanted):
             out[k][stat] = per_token[start : start + t * h * w].reshape(t, h * w, *per_token.shape[1:])
             start += t * h * w
     return out

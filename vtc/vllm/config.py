@@ -1,0 +1,172 @@
+"""What `vllm serve ... --additional-config '{"vtc": {...}}'` may ask for, checked before the server starts.
+
+A served model must fix each video's placeholder count when the prompt is processed, before any pixel is
+encoded, and vLLM caches encoder outputs per video, across requests and questions. So a method serves only if
+it acts in the `connect` stage, its count is a pure function of the video's grid (`retained_count`), and it does
+not read the question. `ServeConfig.pipeline(family)` builds the pipeline the server runs and refuses anything
+else with a message naming the serving-capable methods. No vLLM import here: the CLI checks a config with it
+before it starts vLLM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from vtc.core.pipeline import Pipeline, parse_spec, validate_retention
+from vtc.core.registry import registry
+
+KEY = "vtc"  # additional_config[KEY]
+CONFIG_ATTR = "vtc_serving"  # the checked config, on the HF config (see vtc.vllm.plugin)
+FIELDS = ("methods", "retention", "params", "seed")
+
+# vLLM architecture name -> vtc family
+ARCHITECTURES = {
+    "Qwen2VLForConditionalGeneration": "qwen2_vl",
+    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
+    "Qwen3VLForConditionalGeneration": "qwen3_vl",
+    "LlavaOnevisionForConditionalGeneration": "llava_onevision",
+    "LlavaNextVideoForConditionalGeneration": "llava_next_video",
+}
+
+# vLLM architecture name -> vtc's class registered in its place (in vtc.vllm.models)
+MODEL_CLASSES = {
+    "Qwen2VLForConditionalGeneration": "VtcQwen2VL",
+    "Qwen2_5_VLForConditionalGeneration": "VtcQwen2_5_VL",
+    "Qwen3VLForConditionalGeneration": "VtcQwen3VL",
+    "LlavaOnevisionForConditionalGeneration": "VtcLlavaOnevision",
+    "LlavaNextVideoForConditionalGeneration": "VtcLlavaNextVideo",
+}
+
+# a grid to probe whether a pipeline's count is a pure function of the grid
+_PROBE_GRID = (8, 12, 12)
+
+
+def family_of(architectures: list[str] | tuple[str, ...] | None) -> str:
+    """The vtc family of a model from its `architectures`, or a ValueError naming the supported ones."""
+    for arch in architectures or ():
+        if arch in ARCHITECTURES:
+            return ARCHITECTURES[arch]
+    raise ValueError(
+        f"vtc cannot compress the video tokens of architecture {', '.join(architectures or ['(none)'])}; vtc serves "
+        f"{', '.join(ARCHITECTURES)}"
+    )
+
+
+def servable_methods() -> list[str]:
+    """Installed methods a server can run: connect stage only, a fixed count, no question."""
+    out = []
+    for info in registry().infos():
+        if set(info.stages) == {"connect"} and info.fixed_count and not info.query_aware:
+            out.append(info.name)
+    return sorted(out)
+
+
+def _has_field(params_cls: type, name: str) -> bool:
+    return any(f.name == name for f in dataclasses.fields(params_cls))
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeConfig:
+    """methods: a spec such as "vidcom2" or "dycoke-ttm+divprune". retention: fraction of each video's tokens the
+    LLM sees. params: method parameters (`field` or `method.field`), as for `vtc.patch`. seed: the seed of every
+    random choice (the same video always gets the same tokens)."""
+
+    methods: str
+    retention: float | None = None
+    params: dict[str, Any] = dataclasses.field(default_factory=dict)
+    seed: int = 0
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> "ServeConfig":
+        if isinstance(raw, str):
+            try:
+                raw = json.loads(raw)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"the vtc config is not valid JSON ({err}): {raw!r}") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"the vtc config must be an object with keys {', '.join(FIELDS)}; got {raw!r}")
+        unknown = sorted(set(raw) - set(FIELDS))
+        if unknown:
+            raise ValueError(f"unknown key(s) {', '.join(unknown)} in the vtc config; allowed: {', '.join(FIELDS)}")
+        if not raw.get("methods"):
+            raise ValueError('the vtc config needs "methods", e.g. {"methods": "vidcom2", "retention": 0.25}')
+        methods = raw["methods"]
+        if not isinstance(methods, str):
+            if not isinstance(methods, (list, tuple)) or not all(isinstance(m, str) for m in methods):
+                raise ValueError(f'"methods" must be a string such as "vidcom2+divprune" or a list; got {methods!r}')
+            methods = "+".join(methods)
+        params = raw.get("params") or {}
+        if not isinstance(params, dict):
+            raise ValueError(f'"params" must be an object of method parameters; got {params!r}')
+        seed = raw.get("seed", 0)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f'"seed" must be an integer; got {seed!r}')
+        config = cls("+".join(parse_spec(methods)), validate_retention(raw.get("retention")), dict(params), seed)
+        config.check_methods()
+        return config
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"methods": self.methods, "retention": self.retention, "seed": self.seed}
+        if self.params:
+            out["params"] = dict(self.params)
+        return out
+
+    def check_methods(self) -> None:
+        """Every method is installed and can serve (the family-specific checks are in `pipeline`)."""
+        methods = registry()
+        allowed = ", ".join(servable_methods())
+        for name in parse_spec(self.methods):
+            info = methods[name]  # raises naming the installed methods
+            if "sample" in info.stages:
+                raise ValueError(
+                    f"{name} chooses frames against the question (sample stage); a vLLM server caches its encoder "
+                    "output per video, across questions, so it cannot run there. Select the frames on the client "
+                    "(vtc.vllm.client.select_frames) and send only those; methods the server runs: " + allowed
+                )
+            if "prefill" in info.stages or info.acts_in_llm:
+                part = CONNECT_PARTS.get(name)
+                hint = f"serve its connect part as {part!r}, or use" if part else "use"
+                raise ValueError(
+                    f"{name} acts inside the LLM (prefill/KV), which vLLM's paged KV cache does not allow; {hint} a "
+                    f"method that acts before the LLM: {allowed}"
+                )
+            if info.query_aware:
+                raise ValueError(
+                    f"{name} reads the question in its connect stage, but vLLM caches encoder outputs per video "
+                    f"across questions; methods the server runs: {allowed}"
+                )
+            if not info.fixed_count:
+                raise ValueError(
+                    f"{name} keeps a content-dependent number of tokens, but vLLM sizes a prompt before encoding "
+                    f"the video; methods with a fixed count: {allowed}"
+                )
+
+    def pipeline(self, family: str) -> Pipeline:
+        """The pipeline a server of `family` runs: each method in fixed-count mode (its `fixed_count` parameter
+        turned on), bound to the family; refuses what cannot serve."""
+        params = dict(self.params)
+        methods = registry()
+        for name in parse_spec(self.methods):
+            if _has_field(methods[name].params, "fixed_count"):
+                given = params.get(f"{name}.fixed_count", params.get("fixed_count"))
+                if given is False:
+                    raise ValueError(
+                        f"{name}: fixed_count=False gives a content-dependent count, but vLLM sizes each prompt "
+                        "before it encodes the video; drop fixed_count (the server turns it on)"
+                    )
+                params.pop("fixed_count", None)
+                params[f"{name}.fixed_count"] = True
+        pipeline = Pipeline(self.methods, self.retention, params, family=family)
+        if pipeline.retained_count(_PROBE_GRID) is None:
+            raise ValueError(
+                f"{self.methods!r} does not fix its token count from the video's grid alone on {family} (with these "
+                "parameters), which vLLM needs to size the prompt; methods the server runs: "
+                + ", ".join(servable_methods())
+            )
+        return pipeline
+
+
+# methods that act inside the LLM, and the name of the part of them a server runs
+CONNECT_PARTS = {"dycoke": "dycoke-ttm", "holitom": "holitom-outer"}

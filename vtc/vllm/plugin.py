@@ -1,0 +1,108 @@
+"""vtc's vLLM general plugin (entry point `vllm.general_plugins: vtc = vtc.vllm.plugin:register`).
+
+vLLM calls `register()` in every process it starts (API server, engine core, workers), once per process, unless
+`VLLM_PLUGINS` names other plugins only. It
+
+1. registers vtc's subclasses of the five families' model classes under vLLM's architecture names (lazily, by
+   "module:Class" string, the documented way to add behaviour to a served model). Without a vtc config these
+   classes are vLLM's own, unchanged.
+2. checks the vtc config when vLLM builds its `VllmConfig` (so a bad config stops `vllm serve` at start, with a
+   message naming the allowed values), and shares it with the processor: `additional_config` reaches the model
+   but not the prompt processor, which must size each video's placeholders. The checked config goes on the
+   HF config (`hf_config.vtc_serving`), which both sides read and which travels to worker processes with the
+   rest of the config.
+3. switches on vLLM's pruning path for M-RoPE families (`video_pruning_rate` set to 1 - retention): with it
+   the runner encodes videos one at a time and calls the model's `recompute_mrope_positions`, which places
+   the text after a compressed video right. vLLM's own pruning methods are not used: vtc's model classes
+   replace the step that would call them.
+4. on vLLM's CPU build, makes the CPU runner honour the pruning switch as the GPU runner does (the CPU runner's
+   `load_model` never sets `is_multimodal_pruning_enabled`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from vtc.vllm.config import CONFIG_ATTR, KEY, MODEL_CLASSES, ServeConfig, family_of
+
+MROPE_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+
+
+def register() -> None:
+    """The entry point. Idempotent: vLLM may call it several times in one process."""
+    from vllm import ModelRegistry
+
+    for arch, class_name in MODEL_CLASSES.items():
+        ModelRegistry.register_model(arch, f"vtc.vllm.models:{class_name}")
+    _hook_config()
+    _fix_cpu_runner()
+
+
+def apply_config(vllm_config) -> None:
+    """Check `additional_config["vtc"]` against the model and hand it to the processor (see the module doc)."""
+    extra = vllm_config.additional_config
+    raw = extra.get(KEY) if isinstance(extra, dict) else None
+    model_config = vllm_config.model_config
+    if not raw or model_config is None or getattr(model_config, "is_submodel_config", False):
+        return  # no vtc config, or the copy vLLM makes for a multimodal model's inner LLM
+    config = ServeConfig.from_dict(raw)
+    family = family_of(getattr(model_config, "architectures", None))
+    pipeline = config.pipeline(family)
+    hf_config = model_config.hf_config
+    if getattr(hf_config, CONFIG_ATTR, None) == config.to_dict():
+        return  # this config was applied already (VllmConfig built again from the same model config)
+    mm = model_config.multimodal_config
+    if mm is not None and mm.video_pruning_rate:
+        raise ValueError(
+            f"vLLM's own video pruning (--video-pruning-rate {mm.video_pruning_rate}) and vtc both prune video "
+            "tokens; use one of them"
+        )
+    if mm is not None and family in MROPE_FAMILIES:
+        retention = pipeline.retention if pipeline.retention is not None else 0.5
+        mm.video_pruning_rate = min(max(1.0 - retention, 1e-3), 0.999)
+    extra[KEY] = config.to_dict()  # normalised, so every process reads the same thing
+    setattr(hf_config, CONFIG_ATTR, config.to_dict())
+
+
+def _hook_config() -> None:
+    from vllm.config import VllmConfig
+
+    original = VllmConfig.__post_init__
+    if getattr(original, "_vtc", False):
+        return
+
+    @functools.wraps(original)
+    def post_init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        apply_config(self)
+
+    post_init._vtc = True
+    VllmConfig.__post_init__ = post_init
+
+
+def _fix_cpu_runner() -> None:
+    try:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return
+        from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    except Exception:  # not the CPU build
+        return
+    original = CPUModelRunner.load_model
+    if getattr(original, "_vtc", False):
+        return
+
+    @functools.wraps(original)
+    def load_model(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        from vllm.model_executor.models.interfaces import supports_multimodal_pruning
+
+        mm = self.model_config.multimodal_config
+        self.is_multimodal_pruning_enabled = bool(
+            supports_multimodal_pruning(self.get_model()) and mm is not None and mm.is_multimodal_pruning_enabled()
+        )
+        return out
+
+    load_model._vtc = True
+    CPUModelRunner.load_model = load_model
