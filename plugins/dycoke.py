@@ -388,3 +388,22 @@ def vtc_register_methods(registry):
             },
         )
     )
+    # DyCoke's connect part alone (its decode-time KV pruning needs the LLM): what a vLLM server runs
+    registry.add(
+        MethodInfo(
+            name="dycoke-ttm",
+            factory=DyCoke,
+            params=DyCokeParams,
+            stages=("connect",),
+            paper="DyCoke: Dynamic Compression of Tokens for Fast Video Large Language Models (CVPR 2025)",
+            url="https://arxiv.org/abs/2411.15024",
+            summary="DyCoke's temporal token merging (TTM) only, without the decode-time KV pruning (serving)",
+            fixed_count=True,
+            position_policy="compact",
+            retention_note="as dycoke: TTM never reduces frames 0, 4, 8, ..., so below their share the floor is "
+            "kept, with a warning; layer, p and threshold are unused",
+            conformance_exemptions={
+                "ordered_positions": "official order: a reduced frame's tokens by ascending similarity, not space"
+            },
+        )
+    )

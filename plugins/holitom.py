@@ -598,3 +598,30 @@ def vtc_register_methods(registry):
             test_params={"k": 2},
         )
     )
+    # HoliTom's outer merge alone (the inner merge at LLM layer k needs the LLM): what a vLLM server runs
+    registry.add(
+        MethodInfo(
+            name="holitom-outer",
+            factory=outer_only,
+            params=HoliTomParams,
+            stages=("connect",),
+            paper="HoliTom: Holistic Token Merging for Fast Video Large Language Models (NeurIPS 2025)",
+            url="https://arxiv.org/abs/2505.21334",
+            summary="HoliTom's outer merge only (the paper's 'w/o M' row: no merge inside the LLM), for serving",
+            fixed_count=True,
+            position_policy="compact",
+            vision_stats=True,
+            needs_whole_frames=True,
+            retention_note="retention is RETAIN_RATIO; a very static video keeps fewer unless fixed_count=True "
+            "(a server turns it on); k, r and bidirectional_layer are unused",
+            conformance_exemptions={
+                "ordered_positions": "official output order: static clusters, then each frame",
+                "retention": "adaptive count unless fixed_count=True (checked instead)",
+            },
+        )
+    )
+
+
+def outer_only(params: HoliTomParams, retention: float | None = None) -> HoliTom:
+    """HoliTom without its inner merge (r = 0, the paper's 'w/o M')."""
+    return HoliTom(dataclasses.replace(params, r=0.0), retention)

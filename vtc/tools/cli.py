@@ -1,4 +1,4 @@
-"""Command line: `vtc methods`, `vtc run`, `vtc bench`."""
+"""Command line: `vtc methods`, `vtc run`, `vtc bench`, `vtc serve`."""
 
 from __future__ import annotations
 
@@ -109,6 +109,19 @@ def cmd_bench(args, console: Console) -> int:
     return 0
 
 
+def cmd_serve(args, console: Console) -> int:
+    from vtc.tools.serve import serve
+
+    return serve(
+        model=args.model,
+        methods=args.methods,
+        retention=args.retention,
+        params=parse_params(args.param),
+        seed=args.seed,
+        vllm_args=args.vllm_args,
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vtc", description="training-free visual-token compression for video-LLMs")
     sub = parser.add_subparsers(dest="command")
@@ -146,18 +159,33 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--param", action="append", metavar="NAME=VALUE")
     bench.add_argument("--dtype", default="float32")
     bench.add_argument("--out", default="vtc-bench-results", help="directory for bench.json, bench.md and bench.png")
+
+    serve = sub.add_parser(
+        "serve",
+        help="vLLM's OpenAI-compatible server with compression (any further option goes to `vllm serve`)",
+        description="vtc serve MODEL --methods vidcom2 --retention 0.25 [any vllm serve option]",
+    )
+    serve.add_argument("model", help="HF model id or local path (Qwen2/2.5/3-VL, LLaVA-OneVision, LLaVA-NeXT-Video)")
+    serve.add_argument("--methods", required=True, help="connect-stage methods, e.g. vidcom2 (see docs/serving.md)")
+    serve.add_argument("--retention", type=float, help="fraction of each video's tokens the LLM sees, in (0, 1]")
+    serve.add_argument("--param", action="append", metavar="NAME=VALUE", help="method parameter, e.g. k=3")
+    serve.add_argument("--seed", type=int, default=0, help="seed of every random choice (default 0)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "serve":
+        args.vllm_args = extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     # wide enough for the benchmark table in logs and narrow terminals alike (rich wraps nothing then)
     console = Console(width=max(Console().width, 150))
     if args.command is None:
         parser.print_help()
         return 0
-    handler = {"methods": cmd_methods, "run": cmd_run, "bench": cmd_bench}[args.command]
+    handler = {"methods": cmd_methods, "run": cmd_run, "bench": cmd_bench, "serve": cmd_serve}[args.command]
     try:
         return handler(args, console)
     except (ValueError, TypeError, FileNotFoundError) as err:

@@ -122,8 +122,8 @@ class ServeConfig:
             if "sample" in info.stages:
                 raise ValueError(
                     f"{name} chooses frames against the question (sample stage); a vLLM server caches its encoder "
-                    "output per video, across questions, so it cannot run there. Select the frames on the client "
-                    "(vtc.vllm.client.select_frames) and send only those; methods the server runs: " + allowed
+                    "output per video, across questions, so it cannot run there. Choose the frames before sending "
+                    "them (the client decides which frames a request carries); methods the server runs: " + allowed
                 )
             if "prefill" in info.stages or info.acts_in_llm:
                 part = CONNECT_PARTS.get(name)

@@ -110,7 +110,9 @@ class Serving:
         self.geometry = _geometry(family, hf_config)
         stats = self.pipeline.vision_stats(family)
         self.stats = EncoderStatsCapture(family, tower, hf_config, stats, qwen=self.geometry.mrope) if stats else None
-        self.prepool = _prepool_capture(model, family) if self.pipeline.needs_prepool else None
+        # pre-pool features exist on LLaVA families only (Qwen's 2x2 merge is inside the vision tower)
+        needs_prepool = self.pipeline.needs_prepool and self.geometry.has_prepool_grid
+        self.prepool = _prepool_capture(model, family) if needs_prepool else None
         self._vision: list[dict] = []
         self._prepool: list[Tensor] | None = None
 

