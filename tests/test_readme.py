@@ -6,8 +6,10 @@ as written."""
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
+import sys
 from pathlib import Path
 
 import pytest
@@ -72,7 +74,10 @@ def run_python(block: str, namespace: dict) -> None:
 
 
 def run_shell(block: str) -> int:
+    """Run each `vtc ...` command of a bash block; `vtc serve` / `vllm serve` lines are checked up to the point where
+    vLLM would start (the server itself is tested in test_serve.py)."""
     from vtc.tools.cli import main
+    from vtc.vllm.config import KEY, ServeConfig
 
     ran = 0
     for line in block.splitlines():
@@ -81,6 +86,23 @@ def run_shell(block: str) -> int:
             continue
         for command in line.split("&&"):
             argv = shlex.split(command.strip())
+            if argv[:2] == ["vllm", "serve"]:
+                config = json.loads(argv[argv.index("--additional-config") + 1])[KEY]
+                ServeConfig.from_dict(config).pipeline("qwen2_5_vl")
+                ran += 1
+                continue
+            if argv[:2] == ["vtc", "serve"]:
+                started = []
+                with pytest.MonkeyPatch.context() as mp:
+                    import vllm.entrypoints.cli.main as vllm_cli
+
+                    mp.setattr(vllm_cli, "main", lambda started=started: started.append(list(sys.argv)))
+                    mp.setattr(sys, "argv", list(sys.argv))
+                    assert main(argv[1:]) == 0, command
+                assert started and started[0][:3] == ["vllm", "serve", argv[2]]
+                assert json.loads(started[0][4])[KEY]["methods"] == "vidcom2"
+                ran += 1
+                continue
             if argv and argv[0] == "vtc":
                 assert main(argv[1:]) == 0, command
                 ran += 1

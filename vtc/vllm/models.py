@@ -24,6 +24,7 @@ import math
 from typing import Any
 
 import torch
+from vllm.logger import init_logger
 from vllm.model_executor.models.llava_next_video import (
     LlavaNextVideoDummyInputsBuilder,
     LlavaNextVideoForConditionalGeneration,
@@ -67,6 +68,7 @@ from vtc.vllm.config import CONFIG_ATTR, KEY, ServeConfig
 from vtc.vllm.vision import EncoderStatsCapture
 
 Tensor = torch.Tensor
+logger = init_logger("vllm.vtc")  # under vLLM's logger, so `vllm serve` shows it at INFO
 LAST_KEPT: list[dict[str, Any]] = []  # the grid cells each video kept, newest last (tests and debugging)
 
 
@@ -171,6 +173,9 @@ class Serving:
                 f"vtc: {self.pipeline.spec!r} promised {promised} tokens for a video with grid {grid} but kept "
                 f"{len(out)}; the prompt was sized for {promised}"
             )
+        logger.info(
+            "vtc %s: video %d, grid %s: kept %d of %d tokens", self.pipeline.spec, index, grid, len(out), len(embeds)
+        )
         cells = grid_cells(out)
         order = torch.sort(cells, stable=True).indices
         LAST_KEPT.append({"family": self.family, "grid": grid, "cells": cells[order].cpu()})
