@@ -133,3 +133,23 @@ def test_vtc_serve_refuses_a_method_that_cannot_serve_before_vllm_starts(tmp_pat
     assert done.returncode == 2
     assert "fastv acts inside the LLM" in done.stdout and "vidcom2" in done.stdout
     assert time.time() - start < 60
+
+
+def test_select_frames_keeps_the_most_relevant_frames_in_time_order():
+    import numpy as np
+
+    from vtc.testing.fixtures import register_tiny_clip
+    from vtc.vllm.client import select_frames
+    from vtc_plugins.quota import clip_yes_probabilities, frame_weights, load_clip
+
+    assert register_tiny_clip()
+    frames = synthetic_video(12, 64, 64, seed=3)
+    chosen, indices, weights = select_frames(frames, QUESTION, keep=4, clip_model="vtc-tiny-clip", clip_pretrained=None)
+    clip, preprocess, tokenizer = load_clip("vtc-tiny-clip", None)
+    all_weights = frame_weights(clip_yes_probabilities(clip, preprocess, tokenizer, frames, QUESTION, []), 100.0, 2.0)
+    best = sorted(range(12), key=lambda i: (-all_weights[i], i))[:4]
+    assert indices == sorted(best)
+    assert np.array_equal(chosen, frames[indices])
+    assert weights == [all_weights[i] for i in indices]
+    with pytest.raises(ValueError, match=r"keep must be in \[1, 12\]"):
+        select_frames(frames, QUESTION, keep=0, clip_model="vtc-tiny-clip", clip_pretrained=None)

@@ -5,8 +5,6 @@ any engine starts. The `vtc serve` process test is in test_serve.py."""
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 
@@ -17,7 +15,7 @@ from vtc.core.registry import registry
 from vtc.media.video import synthetic_video
 from vtc.testing import tiny
 from vtc.testing.fixtures import model_and_processor
-from vtc.testing.serving import clear_caches, engine, reconfigure, video_request
+from vtc.testing.serving import clear_caches, engine, reconfigure, shutdown, video_request
 from vtc.vllm import models as vllm_models
 from vtc.vllm.config import ServeConfig, family_of, servable_methods
 
@@ -42,11 +40,6 @@ def greedy(llm, requests, max_tokens: int = 6):
     return llm.generate(requests, SamplingParams(max_tokens=max_tokens, temperature=0.0), use_tqdm=False)
 
 
-def shutdown(llm) -> None:
-    del llm
-    gc.collect()
-
-
 # --- configs refused before any engine starts ------------------------------------------------------------------
 
 
@@ -60,7 +53,7 @@ def shutdown(llm) -> None:
         ({"methods": "holitom", "retention": 0.25}, "serve its connect part as 'holitom-outer'"),
         ({"methods": "dycoke"}, "serve its connect part as 'dycoke-ttm'"),
         ({"methods": "prunevid"}, "acts inside the LLM"),
-        ({"methods": "quota"}, "Choose the frames before sending them"),
+        ({"methods": "quota"}, "vtc.vllm.client.select_frames"),
         ({"methods": "vidcom2", "retntion": 0.2}, "unknown key.*retntion.*allowed: methods, retention, params, seed"),
         ({"retention": 0.2}, 'needs "methods"'),
         ("{not json", "not valid JSON"),
@@ -146,8 +139,17 @@ def test_serving_on_vllm(family, saved):
             assert len(out.prompt_token_ids) == expected_prompt_length(stock_len[0], grid, count), method
             assert [len(k["cells"]) for k in vllm_models.LAST_KEPT] == [count], method
 
-        # two videos of different sizes in one batch: each compressed on its own, as it is alone
+        # the encoder cache holds media-only results: the same video with another question is not encoded again
         reconfigure(llm, {"methods": "vidcom2", "retention": 0.25})
+        vllm_models.LAST_KEPT.clear()
+        first = greedy(llm, [request], max_tokens=1)[0]
+        again = greedy(llm, [video_request(tokenizer, video, "Which colour is the square?")], max_tokens=1)[0]
+        assert len(vllm_models.LAST_KEPT) == 1  # compressed once, reused for the second question
+        texts = [video_request(tokenizer, video, q)["prompt"] for q in (QUESTION, "Which colour is the square?")]
+        text_lengths = [len(tokenizer.encode(t, add_special_tokens=False)) for t in texts]
+        assert len(again.prompt_token_ids) - len(first.prompt_token_ids) == text_lengths[1] - text_lengths[0]
+
+        # two videos of different sizes in one batch: each compressed on its own, as it is alone
         requests = [request, video_request(tokenizer, other, QUESTION)]
         alone = []
         for r in requests:
@@ -167,13 +169,9 @@ def test_serving_on_vllm(family, saved):
 
 
 DETERMINISTIC = ("vidcom2", "divprune", "dycoke-ttm")
-# Families where vLLM's frontend and encoder reproduce HF's inputs for the same frames. On Qwen3-VL, LLaVA-OneVision
-# and LLaVA-NeXT-Video the counts already differ (e.g. vidcom2 at 0.25: 49 vs 48 and 288 vs 291 tokens), so HF and
-# vLLM see different grids or features there; open, see docs/serving.md.
-SAME_INPUTS = ("qwen2_vl", "qwen2_5_vl")
 
 
-@pytest.mark.parametrize("family", SAME_INPUTS)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_hf_and_vllm_keep_the_same_tokens(family, saved, monkeypatch):
     """The same method on the same frames keeps the same grid cells in HF (vtc.patch) and in vLLM."""
     video = clip(0)
@@ -191,7 +189,8 @@ def test_hf_and_vllm_keep_the_same_tokens(family, saved, monkeypatch):
     hf_cells = {}
     for method in DETERMINISTIC:
         seen.clear()
-        with vtc.patch(model, method, retention=0.25), torch.no_grad():
+        params = ServeConfig.from_dict({"methods": method, "retention": 0.25}).serving_params()
+        with vtc.patch(model, method, retention=0.25, **params), torch.no_grad():
             model(**inputs)
         hf_cells[method] = seen[-1]
 

@@ -65,6 +65,19 @@ def clear_caches(llm) -> None:
     llm.llm_engine.reset_encoder_cache()
 
 
+def shutdown(llm) -> None:
+    """Stop an in-process engine and its distributed state now, so the next engine in this process starts clean
+    (a test that failed with an engine alive would otherwise keep it, through the traceback, until much later)."""
+    import gc
+
+    llm.llm_engine.engine_core.shutdown()
+    from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+    destroy_model_parallel()
+    destroy_distributed_environment()
+    gc.collect()
+
+
 def video_metadata(num_frames: int, fps: float = 8.0) -> dict[str, Any]:
     return {
         "fps": fps,

@@ -88,6 +88,8 @@ SIZES = {
     "demo": TinySize(hidden=512, layers=8, heads=8, kv_heads=2, intermediate=1536, vocab=1024),
     # `vtc bench` default: Qwen2-0.5B-shaped LLM (ENVIRONMENT.md: ~15 s per 1k-token prefill on 2 cores)
     "bench": TinySize(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, vocab=1024),
+    # `vtc bench --backend vllm` default: the same shape with 12 layers (the EVS peer measurement's model)
+    "bench12": TinySize(hidden=896, layers=12, heads=14, kv_heads=2, intermediate=4864, vocab=1024),
 }
 
 
@@ -276,7 +278,9 @@ def _build_qwen3_vl(shape: TinySize, tokenizer):
         ),
         **_qwen_ids(tokenizer),
     )
-    image_processor = Qwen2VLImageProcessor(patch_size=16)
+    # Qwen3-VL normalises images and videos alike (mean = std = 0.5, as its video processor's defaults); vLLM
+    # normalises video pixels inside the model with the image processor's values
+    image_processor = Qwen2VLImageProcessor(patch_size=16, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
     processor = Qwen3VLProcessor(
         image_processor=image_processor,
         video_processor=Qwen3VLVideoProcessor(),

@@ -90,6 +90,23 @@ def cmd_run(args, console: Console) -> int:
 
 
 def cmd_bench(args, console: Console) -> int:
+    if args.backend == "vllm":
+        from vtc.tools.bench_vllm import bench_vllm
+
+        bench_vllm(
+            model=args.model,
+            family=args.family if args.family != "qwen2_vl" else "qwen2_5_vl",
+            size=args.size if args.size != "bench" else "bench12",
+            methods=tuple(m for m in args.methods.split(",") if m and m != "none"),
+            retentions=tuple(float(r) for r in args.retentions.split(",")),
+            frames=args.frames,
+            repeats=args.repeats,
+            requests=args.requests,
+            evs=not args.no_evs,
+            out_dir=args.out,
+            console=console,
+        )
+        return 0
     from vtc.tools.bench import bench
 
     bench(
@@ -159,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--param", action="append", metavar="NAME=VALUE")
     bench.add_argument("--dtype", default="float32")
     bench.add_argument("--out", default="vtc-bench-results", help="directory for bench.json, bench.md and bench.png")
+    bench.add_argument("--backend", choices=("hf", "vllm"), default="hf", help="hf (default) or vllm (TTFT, req/s)")
+    bench.add_argument("--requests", type=int, default=4, help="vllm: requests sent together for throughput")
+    bench.add_argument("--no-evs", action="store_true", help="vllm: skip vLLM's own EVS at the same kept counts")
 
     serve = sub.add_parser(
         "serve",

@@ -122,8 +122,9 @@ class ServeConfig:
             if "sample" in info.stages:
                 raise ValueError(
                     f"{name} chooses frames against the question (sample stage); a vLLM server caches its encoder "
-                    "output per video, across questions, so it cannot run there. Choose the frames before sending "
-                    "them (the client decides which frames a request carries); methods the server runs: " + allowed
+                    "output per video, across questions, so it cannot run there. Select the frames on the client "
+                    "with vtc.vllm.client.select_frames (QuoTA's frame relevance) and send only those; methods the "
+                    "server runs: " + allowed
                 )
             if "prefill" in info.stages or info.acts_in_llm:
                 part = CONNECT_PARTS.get(name)
@@ -143,9 +144,9 @@ class ServeConfig:
                     f"the video; methods with a fixed count: {allowed}"
                 )
 
-    def pipeline(self, family: str) -> Pipeline:
-        """The pipeline a server of `family` runs: each method in fixed-count mode (its `fixed_count` parameter
-        turned on), bound to the family; refuses what cannot serve."""
+    def serving_params(self) -> dict[str, Any]:
+        """The method parameters a server runs with: the user's, plus `method.fixed_count=True` for every method
+        that has that parameter (a content-dependent count cannot size a prompt before encoding)."""
         params = dict(self.params)
         methods = registry()
         for name in parse_spec(self.methods):
@@ -158,6 +159,12 @@ class ServeConfig:
                     )
                 params.pop("fixed_count", None)
                 params[f"{name}.fixed_count"] = True
+        return params
+
+    def pipeline(self, family: str) -> Pipeline:
+        """The pipeline a server of `family` runs (`serving_params`), bound to the family; refuses what cannot
+        serve."""
+        params = self.serving_params()
         pipeline = Pipeline(self.methods, self.retention, params, family=family)
         if pipeline.retained_count(_PROBE_GRID) is None:
             raise ValueError(

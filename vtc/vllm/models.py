@@ -234,6 +234,10 @@ class _QwenServing:
 
     family = ""
 
+    def __init__(self, *, vllm_config, prefix: str = "") -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self._vtc_init(vllm_config)
+
     def _vtc_init(self, vllm_config) -> None:
         self.vtc = Serving.create(self, vllm_config, self.family, self.visual)
         if self.vtc is not None:
@@ -307,10 +311,6 @@ class VtcQwen2VLProcessor(_QwenProcessorMixin, Qwen2VLMultiModalProcessor):
 class VtcQwen2VL(_QwenServing, Qwen2VLForConditionalGeneration):
     family = "qwen2_vl"
 
-    def __init__(self, *, vllm_config, prefix: str = "") -> None:
-        super().__init__(vllm_config=vllm_config, prefix=prefix)
-        self._vtc_init(vllm_config)
-
     def _process_image_input(self, image_input):
         embeds = super()._process_image_input(image_input)
         if self.vtc is None:
@@ -337,10 +337,6 @@ class VtcQwen2_5_VLProcessor(_QwenProcessorMixin, Qwen2_5_VLMultiModalProcessor)
 )
 class VtcQwen2_5_VL(_QwenServing, Qwen2_5_VLForConditionalGeneration):
     family = "qwen2_5_vl"
-
-    def __init__(self, *, vllm_config, prefix: str = "") -> None:
-        super().__init__(vllm_config=vllm_config, prefix=prefix)
-        self._vtc_init(vllm_config)
 
     def _postprocess_video_embeds_evs(self, video_embeds_split, video_input):
         if self.vtc is None:
@@ -507,7 +503,8 @@ class _LlavaServing:
     family = ""
     trailing = 0
 
-    def _vtc_init(self, vllm_config) -> None:
+    def __init__(self, *, vllm_config, prefix: str = "") -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
         self.vtc = Serving.create(self, vllm_config, self.family, self.vision_tower)
 
     def _process_video_pixels(self, inputs):
@@ -540,10 +537,6 @@ class VtcLlavaOnevision(_LlavaServing, LlavaOnevisionForConditionalGeneration):
     family = "llava_onevision"
     trailing = 1
 
-    def __init__(self, *, vllm_config, prefix: str = "") -> None:
-        super().__init__(vllm_config=vllm_config, prefix=prefix)
-        self._vtc_init(vllm_config)
-
 
 class VtcLlavaNextVideoProcessor(_LlavaProcessorMixin, LlavaNextVideoMultiModalProcessor):
     family = "llava_next_video"
@@ -554,7 +547,3 @@ class VtcLlavaNextVideoProcessor(_LlavaProcessorMixin, LlavaNextVideoMultiModalP
 )
 class VtcLlavaNextVideo(_LlavaServing, LlavaNextVideoForConditionalGeneration):
     family = "llava_next_video"
-
-    def __init__(self, *, vllm_config, prefix: str = "") -> None:
-        super().__init__(vllm_config=vllm_config, prefix=prefix)
-        self._vtc_init(vllm_config)
