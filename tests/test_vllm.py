@@ -153,6 +153,7 @@ def test_serving_on_vllm(family, saved):
         requests = [request, video_request(tokenizer, other, QUESTION)]
         alone = []
         for r in requests:
+            clear_caches(llm)
             vllm_models.LAST_KEPT.clear()
             alone.append((greedy(llm, [r], max_tokens=2)[0], vllm_models.LAST_KEPT[-1]["cells"]))
         clear_caches(llm)
@@ -204,3 +205,46 @@ def test_hf_and_vllm_keep_the_same_tokens(family, saved, monkeypatch):
             assert torch.equal(vllm_models.LAST_KEPT[-1]["cells"], hf_cells[method]), method
     finally:
         shutdown(llm)
+
+
+TP_SCRIPT = """
+import json, os, sys
+from vtc.media.video import synthetic_video
+from vtc.testing.serving import engine, video_request
+if __name__ == "__main__":
+    path, tp, config = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+    from vllm import SamplingParams
+    options = {"tensor_parallel_size": tp, "distributed_executor_backend": "mp"} if tp > 1 else {}
+    llm = engine(path, vtc=config, **options)
+    request = video_request(llm.get_tokenizer(), synthetic_video(8, 224, 224, seed=0), "What happens?")
+    out = llm.generate([request], SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False)[0]
+    print("RESULT " + json.dumps([len(out.prompt_token_ids), list(out.outputs[0].token_ids)]), flush=True)
+"""
+
+
+def test_tensor_parallel_2_on_cpu_gives_what_one_rank_gives(saved, tmp_path):
+    """Two CPU ranks (each holds half the heads; VisionZip's attention statistics are averaged over them) give the
+    prompt and greedy tokens of one rank. The CPU build binds one worker per NUMA node unless told otherwise."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "tp.py"
+    script.write_text(TP_SCRIPT)
+    config = json.dumps({"methods": "visionzip", "retention": 0.25})
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1"}
+    results = []
+    for tp in (1, 2):
+        done = subprocess.run(
+            [sys.executable, str(script), saved["qwen2_vl"], str(tp), config],
+            capture_output=True,
+            text=True,
+            timeout=400,
+            env={**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if tp == 1 else "1"},
+        )
+        lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+        assert lines, done.stdout[-2000:] + done.stderr[-4000:]
+        results.append(json.loads(lines[-1][len("RESULT ") :]))
+    assert results[0][0] < 400  # compressed (592 tokens uncompressed)
+    assert results[1] == results[0]
