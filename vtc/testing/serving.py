@@ -19,23 +19,28 @@ CPU_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_TARGET_DEVICE": "cpu", "
 
 
 def engine(path: str, vtc: dict[str, Any] | None = None, **kwargs: Any):
-    """A `vllm.LLM` on `path` in this process, fp32, greedy-friendly, with prefix caching off (a test that
-    reconfigures vtc sends the same prompt twice); `vtc` is the additional_config entry."""
-    for name, value in CPU_ENV.items():
-        os.environ.setdefault(name, value)
+    """A `vllm.LLM` on `path` in this process, with prefix caching off (a test that reconfigures vtc sends the
+    same prompt twice); `vtc` is the additional_config entry. On a machine without CUDA: vLLM's CPU build, fp32,
+    a 256 MiB KV cache."""
+    import torch
+
+    cpu = not torch.cuda.is_available()
+    if cpu:
+        for name, value in CPU_ENV.items():
+            os.environ.setdefault(name, value)
     from vllm import LLM
 
-    options = dict(
-        distributed_executor_backend="uni",
+    options: dict[str, Any] = dict(
         max_model_len=8192,
-        enforce_eager=True,
         limit_mm_per_prompt={"video": 2, "image": 0},
-        dtype="float32",
         seed=0,
         enable_prefix_caching=False,
-        kv_cache_memory_bytes=1 << 28,
         additional_config={KEY: vtc} if vtc else {},
     )
+    if cpu:
+        options.update(
+            distributed_executor_backend="uni", enforce_eager=True, dtype="float32", kv_cache_memory_bytes=1 << 28
+        )
     options.update(kwargs)
     return LLM(path, **options)
 
