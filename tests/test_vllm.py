@@ -210,21 +210,22 @@ def test_hf_and_vllm_keep_the_same_tokens(family, saved, monkeypatch):
 TP_SCRIPT = """
 import json, os, sys
 from vtc.media.video import synthetic_video
-from vtc.testing.serving import engine, video_request
+from vtc.testing.serving import engine, last_kept_cells, video_request
 if __name__ == "__main__":
     path, tp, config = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
     from vllm import SamplingParams
     options = {"tensor_parallel_size": tp, "distributed_executor_backend": "mp"} if tp > 1 else {}
     llm = engine(path, vtc=config, **options)
     request = video_request(llm.get_tokenizer(), synthetic_video(8, 224, 224, seed=0), "What happens?")
-    out = llm.generate([request], SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False)[0]
-    print("RESULT " + json.dumps([len(out.prompt_token_ids), list(out.outputs[0].token_ids)]), flush=True)
+    out = llm.generate([request], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)[0]
+    print("RESULT " + json.dumps([len(out.prompt_token_ids), llm.apply_model(last_kept_cells)]), flush=True)
 """
 
 
 def test_tensor_parallel_2_on_cpu_gives_what_one_rank_gives(saved, tmp_path):
-    """Two CPU ranks (each holds half the heads; VisionZip's attention statistics are averaged over them) give the
-    prompt and greedy tokens of one rank. The CPU build binds one worker per NUMA node unless told otherwise."""
+    """Two CPU ranks (each holds half the heads; VisionZip's attention statistics are averaged over them) keep the
+    same tokens on both ranks (the first rank's choice is broadcast), and what one rank keeps up to near ties. The CPU build binds one worker per NUMA node unless told otherwise.
+    (Greedy tokens of a random-weight model are not compared: its near-flat logits flip with the all-reduce order.)"""
     import json
     import os
     import subprocess
@@ -234,6 +235,7 @@ def test_tensor_parallel_2_on_cpu_gives_what_one_rank_gives(saved, tmp_path):
     script.write_text(TP_SCRIPT)
     config = json.dumps({"methods": "visionzip", "retention": 0.25})
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1"}
+    env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # apply_model sends a function to the worker processes
     results = []
     for tp in (1, 2):
         done = subprocess.run(
@@ -246,5 +248,10 @@ def test_tensor_parallel_2_on_cpu_gives_what_one_rank_gives(saved, tmp_path):
         lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
         assert lines, done.stdout[-2000:] + done.stderr[-4000:]
         results.append(json.loads(lines[-1][len("RESULT ") :]))
-    assert results[0][0] < 400  # compressed (592 tokens uncompressed)
-    assert results[1] == results[0]
+    (length_1, cells_1), (length_2, cells_2) = results
+    assert length_1 == length_2 < 400  # compressed (592 tokens uncompressed)
+    assert len(cells_1) == 1 and len(cells_2) == 2  # one list of kept cells per rank
+    assert cells_2[0] == cells_2[1], "the two ranks kept different tokens"
+    # one rank and two ranks sum the attention heads in another order: a near-tied choice may flip
+    shared = len(set(cells_2[0]) & set(cells_1[0])) / len(cells_1[0])
+    assert shared >= 0.9, f"two ranks share only {shared:.0%} of one rank's kept tokens"

@@ -83,6 +83,14 @@ def shutdown(llm) -> None:
     gc.collect()
 
 
+def last_kept_cells(model) -> list[int]:
+    """The grid cells the last compressed video kept in this worker (`llm.apply_model(last_kept_cells)` asks every
+    rank; a module-level function, so vLLM can send it to worker processes)."""
+    from vtc.vllm.models import LAST_KEPT
+
+    return LAST_KEPT[-1]["cells"].tolist()
+
+
 def video_metadata(num_frames: int, fps: float = 8.0) -> dict[str, Any]:
     return {
         "fps": fps,

@@ -8,7 +8,7 @@ one (`additional_config={"vtc": {...}}`):
   processor (API server): the video replacement is `retained_count(grid)` placeholders (+ LLaVA-OneVision's
       newline; Qwen3-VL: the whole per-video span, timestamps included, as vLLM's own pruning lays it out);
   model (each worker): the vision encoder runs as usual (statistics captured if a method asks), then
-      `vtc.core.engine.connect_video` compresses each video and the survivors go back in grid order, with
+      `vtc.core.engine.connect_video` compresses each video and the survivors go back frame by frame, with
       their original M-RoPE positions appended the way vLLM's pruning path expects them (the runner then
       calls `recompute_mrope_positions`, which re-positions the text after the video).
 
@@ -154,7 +154,7 @@ class Serving:
     def compress(
         self, embeds: Tensor, grid: tuple[int, int, int], index: int, extras: dict[str, Tensor] | None = None
     ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-        """One video through the connect engine -> (embeds, grid cells, extras) of the survivors, in grid order."""
+        """One video through the connect engine -> (embeds, grid cells, extras) of the survivors, frame by frame."""
         ctx = Context(
             retention=self.pipeline.retention,
             family=self.family,
@@ -176,12 +176,31 @@ class Serving:
         logger.info(
             "vtc %s: video %d, grid %s: kept %d of %d tokens", self.pipeline.spec, index, grid, len(out), len(embeds)
         )
-        cells = grid_cells(out)
-        order = torch.sort(cells, stable=True).indices
-        LAST_KEPT.append({"family": self.family, "grid": grid, "cells": cells[order].cpu()})
+        embeds_out, cells, extras_out = _same_on_every_rank(out.embeds, grid_cells(out), out.extras)
+        # the HF backend's layout: frames in order, each frame's tokens in the order the plugin returned them
+        order = torch.sort(torch.div(cells, grid[1] * grid[2], rounding_mode="floor"), stable=True).indices
+        LAST_KEPT.append({"family": self.family, "grid": grid, "cells": torch.sort(cells).values.cpu()})
         del LAST_KEPT[:-64]
-        kept_extras = {name: value[order] for name, value in out.extras.items()}
-        return out.embeds[order].to(embeds.dtype), cells[order], kept_extras
+        kept_extras = {name: value[order] for name, value in extras_out.items()}
+        return embeds_out[order].to(embeds.dtype), cells[order], kept_extras
+
+
+def _same_on_every_rank(embeds: Tensor, cells: Tensor, extras: dict[str, Tensor]):
+    """Tensor-parallel ranks must feed the LLM the same tokens, but their encoder outputs (and attention statistics)
+    can differ in the last bits (all-reduce order), which can flip a near-tied choice: every rank takes the first
+    rank's result. The count is fixed, so the shapes agree on every rank."""
+    try:
+        from vllm.distributed import get_tp_group
+
+        group = get_tp_group()
+    except Exception:  # no distributed state (a model built outside an engine)
+        return embeds, cells, extras
+    if group.world_size == 1:
+        return embeds, cells, extras
+    embeds = group.broadcast(embeds.contiguous(), src=0)
+    cells = group.broadcast(cells.contiguous(), src=0)
+    extras = {name: group.broadcast(value.contiguous(), src=0) for name, value in extras.items()}
+    return embeds, cells, extras
 
 
 def _check_encoder_parallelism(vllm_config, serving: Serving) -> None:
@@ -438,6 +457,8 @@ class VtcQwen3VL(Qwen3VLForConditionalGeneration):
             main, deepstack = emb[:, : self.visual_dim], emb[:, self.visual_dim :]
             extras = {"deepstack": deepstack} if deepstack.shape[1] else None
             kept, cells, side = self.vtc.compress(main, grid, k, extras)
+            raster = torch.sort(cells, stable=True).indices  # vLLM's layout below takes the survivors in grid order
+            kept, cells, side = kept[raster], cells[raster], {name: v[raster] for name, v in side.items()}
             if torch.unique(cells).numel() != cells.numel():
                 raise RuntimeError(
                     f"vtc: {self.vtc.pipeline.spec!r} let two tokens share a grid cell, which Qwen3-VL's interleaved "
