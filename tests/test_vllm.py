@@ -224,8 +224,9 @@ if __name__ == "__main__":
 
 def test_tensor_parallel_2_on_cpu_gives_what_one_rank_gives(saved, tmp_path):
     """Two CPU ranks (each holds half the heads; VisionZip's attention statistics are averaged over them) keep the
-    same tokens on both ranks (the first rank's choice is broadcast), and what one rank keeps up to near ties. The CPU build binds one worker per NUMA node unless told otherwise.
-    (Greedy tokens of a random-weight model are not compared: its near-flat logits flip with the all-reduce order.)"""
+    same tokens on both ranks (the first rank's choice is broadcast), and what one rank keeps up to near ties. The
+    CPU build binds one worker per NUMA node unless told otherwise. (Greedy tokens of a random-weight model are not
+    compared: its near-flat logits flip with the all-reduce order.)"""
     import json
     import os
     import subprocess
