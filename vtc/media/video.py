@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import io
 import math
 import os
 from typing import Sequence
@@ -218,19 +219,27 @@ def synthetic_video(num_frames: int = 64, height: int = 224, width: int = 224, s
     return frames
 
 
-def write_video(path: "str | os.PathLike", frames: np.ndarray, fps: float = 8.0) -> str:
-    """Encode [T, H, W, 3] uint8 frames to an mp4 file with PyAV (mpeg4, so it decodes everywhere)."""
+def encode_video(frames: np.ndarray, fps: float = 8.0) -> bytes:
+    """Encode [T, H, W, 3] uint8 frames as an mp4 (mpeg4 with PyAV, so it decodes everywhere) and return its bytes."""
     import av
 
-    path = os.fspath(path)
-    with av.open(path, mode="w") as container:
+    buffer = io.BytesIO()
+    with av.open(buffer, mode="w", format="mp4") as container:
         stream = container.add_stream("mpeg4", rate=int(round(fps)))
-        stream.width, stream.height = frames.shape[2], frames.shape[1]
+        stream.width, stream.height = int(frames.shape[2]), int(frames.shape[1])
         stream.pix_fmt = "yuv420p"
         stream.options = {"qscale": "2"}
         for frame in frames:
-            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+            for packet in stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")):
                 container.mux(packet)
         for packet in stream.encode():
             container.mux(packet)
+    return buffer.getvalue()
+
+
+def write_video(path: "str | os.PathLike", frames: np.ndarray, fps: float = 8.0) -> str:
+    """Encode [T, H, W, 3] uint8 frames to an mp4 file (see `encode_video`)."""
+    path = os.fspath(path)
+    with open(path, "wb") as f:
+        f.write(encode_video(frames, fps))
     return path
