@@ -57,8 +57,7 @@ def reconfigure(llm, config: dict[str, Any]) -> None:
     def switch(model):
         if getattr(model, "vtc", None) is None:
             raise RuntimeError("this engine was not started with a vtc config (or vtc's plugin was not loaded)")
-        tower = model.visual if hasattr(model, "visual") else model.vision_tower
-        model.vtc = Serving(model, model.family, checked, tower)
+        model.vtc = Serving(model, model.family, checked)
 
     llm.apply_model(switch)
     clear_caches(llm)

@@ -23,7 +23,7 @@ from vtc.testing import tiny
 from vtc.testing.serving import clear_caches, engine, shutdown, video_request
 
 
-def _time_engine(llm, videos, repeats: int, concurrency: int) -> dict[str, float]:
+def _time_engine(llm, videos, repeats: int) -> dict[str, float]:
     from vllm import SamplingParams
 
     tokenizer = llm.get_tokenizer()
@@ -76,7 +76,7 @@ def bench_vllm(
         vtc_config = options.pop("vtc", None)
         llm = engine(path, vtc=vtc_config, max_num_seqs=concurrency, **options)
         try:
-            timing = _time_engine(llm, videos[:requests], repeats, concurrency)
+            timing = _time_engine(llm, videos[:requests], repeats)
         finally:
             shutdown(llm)
         rows.append({"method": name, "retention": retention, **timing})

@@ -89,16 +89,36 @@ def cmd_run(args, console: Console) -> int:
     return 0
 
 
+# defaults of `vtc bench` per backend (the vLLM one mirrors the EVS peer measurement: Qwen2.5-VL, 12 layers)
+BENCH_DEFAULTS = {
+    "hf": dict(
+        family="qwen2_vl", size="bench", methods="random,fastv,framefusion", retentions="0.5,0.3,0.15", frames=48
+    ),
+    "vllm": dict(family="qwen2_5_vl", size="bench12", methods="vidcom2", retentions="0.5,0.25,0.15", frames=32),
+}
+HF_ONLY_BENCH_OPTIONS = ("video", "param", "dtype")
+
+
 def cmd_bench(args, console: Console) -> int:
+    for name, value in BENCH_DEFAULTS[args.backend].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    methods = tuple(m for m in args.methods.split(",") if m and m != "none")
+    retentions = tuple(float(r) for r in args.retentions.split(","))
     if args.backend == "vllm":
+        given = [f"--{name}" for name in HF_ONLY_BENCH_OPTIONS if getattr(args, name) is not None]
+        if given:
+            raise ValueError(
+                f"{', '.join(given)}: only with --backend hf (the vLLM bench uses generated clips, fp32 on CPU)"
+            )
         from vtc.tools.bench_vllm import bench_vllm
 
         bench_vllm(
             model=args.model,
-            family=args.family if args.family != "qwen2_vl" else "qwen2_5_vl",
-            size=args.size if args.size != "bench" else "bench12",
-            methods=tuple(m for m in args.methods.split(",") if m and m != "none"),
-            retentions=tuple(float(r) for r in args.retentions.split(",")),
+            family=args.family,
+            size=args.size,
+            methods=methods,
+            retentions=retentions,
             frames=args.frames,
             repeats=args.repeats,
             requests=args.requests,
@@ -114,13 +134,13 @@ def cmd_bench(args, console: Console) -> int:
         video=args.video,
         family=args.family,
         size=args.size,
-        methods=tuple(m for m in args.methods.split(",") if m and m != "none"),
-        retentions=tuple(float(r) for r in args.retentions.split(",")),
+        methods=methods,
+        retentions=retentions,
         frames=args.frames,
         repeats=args.repeats,
         out_dir=args.out,
         params=parse_params(args.param),
-        dtype=args.dtype,
+        dtype=args.dtype or "float32",
         console=console,
     )
     return 0
@@ -167,14 +187,18 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="time prefill / TTFT / memory for methods x retentions")
     bench.add_argument("--model", help="HF model id or local path (default: mid-size random-weight model)")
     bench.add_argument("--video", help="video file (default: the generated demo clip)")
-    bench.add_argument("--family", default="qwen2_vl", help="family of the random model (default qwen2_vl)")
-    bench.add_argument("--size", default="bench", help="random model size: tiny, demo, bench (default bench)")
-    bench.add_argument("--methods", default="random,fastv,framefusion", help="comma-separated method specs")
-    bench.add_argument("--retentions", default="0.5,0.3,0.15", help="comma-separated retentions")
-    bench.add_argument("--frames", type=int, default=48, help="frames sampled (default 48: ~3.5k visual tokens)")
+    bench.add_argument("--family", help="family of the random model (default qwen2_vl; vllm: qwen2_5_vl)")
+    bench.add_argument("--size", help="random model size: tiny, demo, bench, bench12 (default bench; vllm: bench12)")
+    bench.add_argument(
+        "--methods", help="comma-separated method specs (default random,fastv,framefusion; vllm: vidcom2)"
+    )
+    bench.add_argument("--retentions", help="comma-separated retentions (default 0.5,0.3,0.15; vllm: 0.5,0.25,0.15)")
+    bench.add_argument(
+        "--frames", type=int, help="frames (default 48: ~3.5k visual tokens; vllm: 32 of 392 px = 3136 tokens)"
+    )
     bench.add_argument("--repeats", type=int, default=2, help="measurements per configuration (best is kept)")
     bench.add_argument("--param", action="append", metavar="NAME=VALUE")
-    bench.add_argument("--dtype", default="float32")
+    bench.add_argument("--dtype", help="model dtype (default float32; hf only)")
     bench.add_argument("--out", default="vtc-bench-results", help="directory for bench.json, bench.md and bench.png")
     bench.add_argument("--backend", choices=("hf", "vllm"), default="hf", help="hf (default) or vllm (TTFT, req/s)")
     bench.add_argument("--requests", type=int, default=4, help="vllm: requests sent together for throughput")

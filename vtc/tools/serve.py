@@ -27,36 +27,21 @@ def model_architectures(model: str) -> list[str] | None:
         return list(json.load(f).get("architectures") or [])
 
 
-def additional_config(config: ServeConfig, vllm_args: list[str]) -> str:
-    """The `--additional-config` JSON: vtc's entry merged into one the user passed (which then is removed)."""
+def split_additional_config(vllm_args: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """The `--additional-config` objects the user passed to vLLM, merged, and the other vLLM arguments."""
     merged: dict[str, Any] = {}
-    for i, arg in enumerate(vllm_args):
-        value = None
-        if arg == "--additional-config" and i + 1 < len(vllm_args):
-            value = vllm_args[i + 1]
+    rest: list[str] = []
+    args = iter(vllm_args)
+    for arg in args:
+        if arg == "--additional-config":
+            merged.update(json.loads(next(args, "{}")))
         elif arg.startswith("--additional-config="):
-            value = arg.split("=", 1)[1]
-        if value is not None:
-            merged.update(json.loads(value))
+            merged.update(json.loads(arg.split("=", 1)[1]))
+        else:
+            rest.append(arg)
     if KEY in merged:
         raise ValueError(f'pass the vtc config with --methods/--retention/--params, not in --additional-config "{KEY}"')
-    merged[KEY] = config.to_dict()
-    return json.dumps(merged)
-
-
-def strip_additional_config(vllm_args: list[str]) -> list[str]:
-    out, skip = [], False
-    for arg in vllm_args:
-        if skip:
-            skip = False
-            continue
-        if arg == "--additional-config":
-            skip = True
-            continue
-        if arg.startswith("--additional-config="):
-            continue
-        out.append(arg)
-    return out
+    return merged, rest
 
 
 def cpu_build_compat() -> None:
@@ -95,9 +80,8 @@ def serve(
     architectures = model_architectures(model)
     if architectures is not None:
         config.pipeline(family_of(architectures))  # fail before vLLM starts
-    vllm_args = list(vllm_args or [])
-    argv = ["vllm", "serve", model, "--additional-config", additional_config(config, vllm_args)]
-    argv += strip_additional_config(vllm_args)
+    extra, rest = split_additional_config(list(vllm_args or []))
+    argv = ["vllm", "serve", model, "--additional-config", json.dumps({**extra, KEY: config.to_dict()}), *rest]
     cpu_build_compat()
     from vllm.entrypoints.cli.main import main as vllm_main
 

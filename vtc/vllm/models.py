@@ -65,7 +65,7 @@ from vtc.core.pipeline import Pipeline
 from vtc.core.tokens import Context
 from vtc.hf.prepool import PrepoolCapture
 from vtc.vllm.config import CONFIG_ATTR, KEY, ServeConfig
-from vtc.vllm.vision import EncoderStatsCapture
+from vtc.vllm.vision import EncoderStatsCapture, tp_group
 
 Tensor = torch.Tensor
 logger = init_logger("vllm.vtc")  # under vLLM's logger, so `vllm serve` shows it at INFO
@@ -104,8 +104,9 @@ class _ConfigOnly:
 class Serving:
     """One served model's compression: the pipeline, the vision statistics it reads, the connect engine call."""
 
-    def __init__(self, model: torch.nn.Module, family: str, config: ServeConfig, tower: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, family: str, config: ServeConfig) -> None:
         self.family = family
+        tower = model.visual if hasattr(model, "visual") else model.vision_tower  # Qwen / LLaVA
         self.config = config
         self.pipeline = config.pipeline(family)
         hf_config = model.config
@@ -119,14 +120,14 @@ class Serving:
         self._prepool: list[Tensor] | None = None
 
     @classmethod
-    def create(cls, model: torch.nn.Module, vllm_config, family: str, tower: torch.nn.Module) -> "Serving | None":
+    def create(cls, model: torch.nn.Module, vllm_config, family: str) -> "Serving | None":
         raw = (
             (vllm_config.additional_config or {}).get(KEY) if isinstance(vllm_config.additional_config, dict) else None
         )
         if not raw:
             return None
         config = ServeConfig.from_dict(raw)
-        serving = cls(model, family, config, tower)
+        serving = cls(model, family, config)
         _check_encoder_parallelism(vllm_config, serving)
         return serving
 
@@ -189,13 +190,8 @@ def _same_on_every_rank(embeds: Tensor, cells: Tensor, extras: dict[str, Tensor]
     """Tensor-parallel ranks must feed the LLM the same tokens, but their encoder outputs (and attention statistics)
     can differ in the last bits (all-reduce order), which can flip a near-tied choice: every rank takes the first
     rank's result. The count is fixed, so the shapes agree on every rank."""
-    try:
-        from vllm.distributed import get_tp_group
-
-        group = get_tp_group()
-    except Exception:  # no distributed state (a model built outside an engine)
-        return embeds, cells, extras
-    if group.world_size == 1:
+    group = tp_group()
+    if group is None:
         return embeds, cells, extras
     embeds = group.broadcast(embeds.contiguous(), src=0)
     cells = group.broadcast(cells.contiguous(), src=0)
@@ -248,21 +244,22 @@ def _no_encoder_cudagraphs(config):
     return config
 
 
-class _QwenServing:
-    """What Qwen2-VL and Qwen2.5-VL share: compress each video, append its survivors' M-RoPE positions."""
+class _MRopeServing:
+    """The Qwen families: with vtc on, vLLM's pruning switches are on too, so the runner re-positions the prompt
+    after embed_multimodal (`recompute_mrope_positions`)."""
 
     family = ""
 
     def __init__(self, *, vllm_config, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix)
-        self._vtc_init(vllm_config)
-
-    def _vtc_init(self, vllm_config) -> None:
-        self.vtc = Serving.create(self, vllm_config, self.family, self.visual)
+        self.vtc = Serving.create(self, vllm_config, self.family)
         if self.vtc is not None:
-            # vLLM's pruning switches: the runner re-positions the prompt after embed_multimodal
             self.is_multimodal_pruning_enabled = True
             self.supports_multimodal_pruning = True
+
+
+class _QwenServing(_MRopeServing):
+    """What Qwen2-VL and Qwen2.5-VL share: compress each video, append its survivors' M-RoPE positions."""
 
     def _process_video_input(self, video_input):
         run = functools.partial(super()._process_video_input, video_input)
@@ -402,15 +399,8 @@ class VtcQwen3VLProcessor(Qwen3VLMultiModalProcessor):
 @MULTIMODAL_REGISTRY.register_processor(
     VtcQwen3VLProcessor, info=Qwen3VLProcessingInfo, dummy_inputs=Qwen3VLDummyInputsBuilder
 )
-class VtcQwen3VL(Qwen3VLForConditionalGeneration):
+class VtcQwen3VL(_MRopeServing, Qwen3VLForConditionalGeneration):
     family = "qwen3_vl"
-
-    def __init__(self, *, vllm_config, prefix: str = "") -> None:
-        super().__init__(vllm_config=vllm_config, prefix=prefix)
-        self.vtc = Serving.create(self, vllm_config, self.family, self.visual)
-        if self.vtc is not None:
-            self.is_multimodal_pruning_enabled = True
-            self.supports_multimodal_pruning = True
 
     def recompute_mrope_positions(self, input_ids, multimodal_embeddings, mrope_positions, num_computed_tokens):
         """vLLM's position fix-up, told where each video span starts. transformers >= 5.10 processors keep the
@@ -526,7 +516,7 @@ class _LlavaServing:
 
     def __init__(self, *, vllm_config, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix)
-        self.vtc = Serving.create(self, vllm_config, self.family, self.vision_tower)
+        self.vtc = Serving.create(self, vllm_config, self.family)
 
     def _process_video_pixels(self, inputs):
         run = functools.partial(super()._process_video_pixels, inputs)

@@ -31,13 +31,16 @@ def encoder_attention_layers(tower: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in tower.modules() if isinstance(m, MMEncoderAttention)]
 
 
-def _tp_world() -> int:
+def tp_group():
+    """vLLM's tensor-parallel group when there are several ranks, else None (one rank, or a model built outside an
+    engine, with no distributed state)."""
     try:
-        from vllm.distributed import get_tensor_model_parallel_world_size
+        from vllm.distributed import get_tp_group
 
-        return int(get_tensor_model_parallel_world_size())
-    except Exception:  # no distributed state (a model built outside an engine)
-        return 1
+        group = get_tp_group()
+    except Exception:
+        return None
+    return group if group.world_size > 1 else None
 
 
 class EncoderStatsCapture:
@@ -70,7 +73,7 @@ class EncoderStatsCapture:
             self.kinds_at.setdefault(layer, set()).add(stat.kind)
         self.modules = {layers[i]: i for i in self.kinds_at}
         self.calls: list[dict[str, Any]] = []
-        self.world = _tp_world()
+        self.group = tp_group()
 
     @contextlib.contextmanager
     def capturing(self, grid_thw: Tensor | None, items: int):
@@ -109,16 +112,14 @@ class EncoderStatsCapture:
 
     def _reduce(self, stats: dict[str, Tensor]) -> dict[str, Tensor]:
         """Average the head means over tensor-parallel ranks (each rank saw its share of the heads)."""
-        if self.world == 1:
+        if self.group is None:
             return stats
-        from vllm.distributed import tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce
-
         out = {}
         for kind, value in stats.items():
             if kind in HEAD_MEAN_KINDS:
-                out[kind] = tensor_model_parallel_all_reduce(value.contiguous()) / self.world
+                out[kind] = self.group.all_reduce(value.contiguous()) / self.group.world_size
             else:  # "cls" keeps its heads: [F, heads, L]
-                out[kind] = tensor_model_parallel_all_gather(value.contiguous(), dim=1)
+                out[kind] = self.group.all_gather(value.contiguous(), dim=1)
         return out
 
     def per_video(self, grids: list[tuple[int, int, int]]) -> list[dict[VisionStat, Tensor]]:
