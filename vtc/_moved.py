@@ -36,7 +36,8 @@ MOVED = {
     "vtc.cli": "vtc.tools.cli",
     "vtc.run": "vtc.tools.run",
     "vtc.bench": "vtc.tools.bench",
-    "vtc.timing": "vtc.tools.timing",
+    "vtc.timing": "vtc.hf.timing",
+    "vtc.tools.timing": "vtc.hf.timing",
     "vtc.loading": "vtc.tools.loading",
     "vtc.tiny": "vtc.testing.tiny",
 }

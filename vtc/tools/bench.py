@@ -33,8 +33,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 import vtc
-from vtc.tools.loading import build_random_model, demo_clip, load_model
-from vtc.tools.timing import LLMTimer, peak_memory_mb, plain_prefill_seconds, synchronize
+from vtc.hf.loading import load_model
+from vtc.hf.timing import LLMTimer, peak_memory_mb, plain_prefill_seconds, synchronize
+from vtc.tools.loading import build_random_model, demo_clip
 
 BENCH_QUESTION = "What happens in this video?"
 

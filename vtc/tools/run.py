@@ -11,8 +11,9 @@ from rich.console import Console
 from rich.table import Table
 
 import vtc
-from vtc.tools.loading import DEMO_FAMILY, build_random_model, demo_clip, load_model
-from vtc.tools.timing import LLMTimer, synchronize
+from vtc.hf.loading import load_model
+from vtc.hf.timing import LLMTimer, synchronize
+from vtc.tools.loading import DEMO_FAMILY, build_random_model, demo_clip
 
 DEMO_QUESTION = "What happens in this video, and which object moves?"
 
