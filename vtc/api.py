@@ -83,22 +83,27 @@ class PatchHandle:
         num_frames: int | None = None,
         fps: float | None = None,
         system: str | None = None,
+        *,
+        messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]] | None = None,
+        images: Sequence[Any] | None = None,
     ):
         """Processor inputs for `video` (path, [T, H, W, 3] array, or a list of them) and `question`, with
         frames chosen by this pipeline's `sample` stage (uniform when it has none). Feed the result to
-        `model.generate(**inputs)`."""
+        `model.generate(**inputs)`.
+
+        `messages`: your own chat (one per video, each with one `{"type": "video"}` entry) instead of vtc's
+        "video, then question" prompt; `question` is then what query-aware methods read. `images`: the images
+        of the chats' image entries (a list per video)."""
         videos, questions = _as_batch(video, question)
-        family = self.family
+        if messages is not None and isinstance(question, str):
+            messages, images = [messages], ([images] if images is not None else None)
+        args = (processor, videos, questions, self.pipeline, num_frames, fps, system, self.model, self.family)
         if self._patch is None:
-            inputs, _ = prepare_batch(
-                processor, videos, questions, self.pipeline, num_frames, fps, system, self.model, family
-            )
+            inputs, _ = prepare_batch(*args, messages=messages, images=images)
             return inputs
         # samplers may run the model itself (QuoTA scores frames with it): not through vtc's own hooks
         with self._patch.suspended():
-            inputs, prepared = prepare_batch(
-                processor, videos, questions, self.pipeline, num_frames, fps, system, self.model, family
-            )
+            inputs, prepared = prepare_batch(*args, messages=messages, images=images)
         if self._patch.tokenizer is None:
             self._patch.tokenizer = getattr(processor, "tokenizer", None)
         # one request at a time: what an earlier prepare call computed is dropped (memory stays bounded)

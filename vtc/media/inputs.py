@@ -107,25 +107,33 @@ def prepare_batch(
     system: str | None = None,
     model=None,
     family: str | None = None,
+    messages: Sequence[list[dict[str, Any]]] | None = None,
+    images: Sequence[list[Any]] | None = None,
 ):
     """Processor inputs (a `BatchFeature`) for one question per video, left-padded for generation, and what
-    the sample stage prepared for each video. `family` (default: the processor's) picks the uniform rule."""
+    the sample stage prepared for each video. `family` (default: the processor's) picks the uniform rule.
+
+    `messages` (one chat per video, with one `{"type": "video"}` entry each) replace vtc's own prompt (the video,
+    then the question): an evaluation task brings its own. `images` (a list per video) fill the chats' image
+    entries. The sample stage still sees `questions`."""
     if len(videos) != len(questions):
         raise ValueError(f"got {len(videos)} videos but {len(questions)} questions; pass one question per video")
+    if messages is not None and len(messages) != len(videos):
+        raise ValueError(f"got {len(videos)} videos but {len(messages)} chats; pass one chat per video")
     family = family or processor_family(processor)
     sampled = [
         sample_frames(v, q, pipeline, num_frames, fps, model, processor, family) for v, q in zip(videos, questions)
     ]
-    texts = [
-        processor.apply_chat_template(build_messages(q, system), add_generation_prompt=True, tokenize=False)
-        for q in questions
-    ]
+    chats = messages if messages is not None else [build_messages(q, system) for q in questions]
+    texts = [processor.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) for chat in chats]
     padding = {"padding": True, "padding_side": "left"} if len(texts) > 1 else {}
+    extra = {"images": [list(i) for i in images]} if images is not None and any(images) else {}
     inputs = processor(
         text=texts,
         videos=[s.frames for s in sampled],
         return_tensors="pt",
         **padding,
+        **extra,
         **processor_video_kwargs(processor, sampled),
     )
     return inputs, [s.prepared for s in sampled]
