@@ -286,14 +286,28 @@ class _QwenServing(_MRopeServing):
 # --- Qwen2-VL ---------------------------------------------------------------------------------------------------
 
 
-def _wrap_video_replacement(updates, make):
+def _wrap_video_replacement(updates, make, mm_items):
     """Prompt updates with the video replacement rebuilt by `make(original_replacement)`."""
+    _warn_uncompressed_images(mm_items.get_count("image", strict=False))
     out = []
     for update in updates:
         if isinstance(update, PromptReplacement) and update.modality == "video":
             update = PromptReplacement(modality="video", target=update.target, replacement=make(update.replacement))
         out.append(update)
     return out
+
+
+@functools.lru_cache(maxsize=1)
+def _warn_uncompressed_images(count: int) -> None:
+    """Say once (per count) that images pass uncompressed: vtc compresses videos, and a client that sends a
+    video's frames as images (lmms-eval's `vllm` model does) gets no compression at all."""
+    if count:
+        logger.warning(
+            "vtc compresses video inputs only: this request's %d image(s) reach the LLM uncompressed. A client that "
+            "sends video frames as images gets no compression (with lmms-eval use --model vllm_generate, which "
+            "sends videos as videos).",
+            count,
+        )
 
 
 class _QwenProcessorMixin:
@@ -314,7 +328,7 @@ class _QwenProcessorMixin:
 
             return replacement
 
-        return _wrap_video_replacement(updates, make)
+        return _wrap_video_replacement(updates, make, mm_items)
 
 
 class VtcQwen2VLProcessor(_QwenProcessorMixin, Qwen2VLMultiModalProcessor):
@@ -393,7 +407,7 @@ class VtcQwen3VLProcessor(Qwen3VLMultiModalProcessor):
 
             return replacement
 
-        return _wrap_video_replacement(updates, make)
+        return _wrap_video_replacement(updates, make, mm_items)
 
 
 @MULTIMODAL_REGISTRY.register_processor(
@@ -493,7 +507,7 @@ class _LlavaProcessorMixin:
 
             return replacement
 
-        return _wrap_video_replacement(updates, make)
+        return _wrap_video_replacement(updates, make, mm_items)
 
 
 def _llava_grid(tokens: int, frames: int) -> tuple[int, int, int]:
