@@ -8,41 +8,23 @@ the prompt and multimodal data for one or more generated clips.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
 
-from vtc.vllm.config import CONFIG_ATTR, KEY, ServeConfig
-
-CPU_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1"}
+from vtc.vllm.config import CONFIG_ATTR, ServeConfig
+from vtc.vllm.engine import CPU_ENV, shutdown, start  # noqa: F401  (re-exported for tests and benchmarks)
 
 
 def engine(path: str, vtc: dict[str, Any] | None = None, **kwargs: Any):
     """A `vllm.LLM` on `path` in this process, with prefix caching off (a test that reconfigures vtc sends the
     same prompt twice); `vtc` is the additional_config entry. On a machine without CUDA: vLLM's CPU build, fp32,
     a 256 MiB KV cache."""
-    import torch
-
-    cpu = not torch.cuda.is_available()
-    if cpu:
-        for name, value in CPU_ENV.items():
-            os.environ.setdefault(name, value)
-    from vllm import LLM
-
     options: dict[str, Any] = dict(
-        max_model_len=8192,
-        limit_mm_per_prompt={"video": 2, "image": 0},
-        seed=0,
-        enable_prefix_caching=False,
-        additional_config={KEY: vtc} if vtc else {},
+        max_model_len=8192, limit_mm_per_prompt={"video": 2, "image": 0}, seed=0, enable_prefix_caching=False
     )
-    if cpu:
-        options.update(
-            distributed_executor_backend="uni", enforce_eager=True, dtype="float32", kv_cache_memory_bytes=1 << 28
-        )
     options.update(kwargs)
-    return LLM(path, **options)
+    return start(path, vtc, **options)
 
 
 def reconfigure(llm, config: dict[str, Any]) -> None:
@@ -67,19 +49,6 @@ def clear_caches(llm) -> None:
     """Forget processed media and encoder outputs (vLLM reuses both by media hash, across requests)."""
     llm.reset_mm_cache()
     llm.llm_engine.reset_encoder_cache()
-
-
-def shutdown(llm) -> None:
-    """Stop an in-process engine and its distributed state now, so the next engine in this process starts clean
-    (a test that failed with an engine alive would otherwise keep it, through the traceback, until much later)."""
-    import gc
-
-    llm.llm_engine.engine_core.shutdown()
-    from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
-
-    destroy_model_parallel()
-    destroy_distributed_environment()
-    gc.collect()
 
 
 def last_kept_cells(model) -> list[int]:

@@ -87,15 +87,9 @@ def serving_pipeline(hf_config, family: str) -> Pipeline | None:
 
 def _geometry(family: str, hf_config) -> FamilyGeometry:
     """The loaded model's geometry, computed by the HF adapter of the family from the same config."""
-    from vtc.hf.adapters import ADAPTERS
+    from vtc.hf.adapters import config_adapter
 
-    adapter_cls = next(a for a in ADAPTERS if a.family == family)
-    return adapter_cls(_ConfigOnly(hf_config)).geometry
-
-
-@dataclasses.dataclass
-class _ConfigOnly:
-    config: Any
+    return config_adapter(family, hf_config).geometry
 
 
 # --- model side ----------------------------------------------------------------------------------------------

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import torch
 
 from vtc.hf.adapters.base import Adapter, CapturedInputs, VideoSpan
@@ -32,4 +35,26 @@ def resolve_adapter(model: torch.nn.Module) -> Adapter:
     )
 
 
-__all__ = ["ADAPTERS", "Adapter", "CapturedInputs", "SUPPORTED_FAMILIES", "VideoSpan", "resolve_adapter"]
+@dataclasses.dataclass
+class _ConfigOnly:
+    config: Any
+
+
+def config_adapter(family: str, config: Any) -> Adapter:
+    """The family's adapter over a model config alone (no weights): geometry, token ids and `video_spans` of
+    processor outputs, for a backend whose model is not a transformers module (vLLM)."""
+    for adapter in ADAPTERS:
+        if adapter.family == family:
+            return adapter(_ConfigOnly(config))
+    raise ValueError(f"unknown family {family!r}; vtc supports {', '.join(SUPPORTED_FAMILIES)}")
+
+
+__all__ = [
+    "ADAPTERS",
+    "Adapter",
+    "CapturedInputs",
+    "SUPPORTED_FAMILIES",
+    "VideoSpan",
+    "config_adapter",
+    "resolve_adapter",
+]
