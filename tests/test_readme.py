@@ -57,14 +57,20 @@ def offline(tmp_path, monkeypatch):
             built[family] = tiny.build(family)
         return built[family]
 
-    monkeypatch.setattr(AutoModelForImageTextToText, "from_pretrained", classmethod(lambda cls, n, **kw: get(n)[0]))
-    monkeypatch.setattr(AutoProcessor, "from_pretrained", classmethod(lambda cls, n, **kw: get(n)[1]))
+    def stand_in(cls, index):
+        real = cls.from_pretrained  # local checkpoints (vtc eval's saved demo model) load for real
+
+        return classmethod(lambda cls, n, **kw: real(n, **kw) if Path(n).is_dir() else get(n)[index])
+
+    monkeypatch.setattr(AutoModelForImageTextToText, "from_pretrained", stand_in(AutoModelForImageTextToText, 0))
+    monkeypatch.setattr(AutoProcessor, "from_pretrained", stand_in(AutoProcessor, 1))
     load = lambda name, **kw: get(name)  # noqa: E731
     small = lambda family, size, dtype="float32": tiny.build(family, size="tiny")  # noqa: E731
     for module in (vtc.tools.run, vtc.tools.bench):
         monkeypatch.setattr(module, "load_model", load)
         monkeypatch.setattr(module, "build_random_model", small)
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "tests").symlink_to(ROOT / "tests")  # the local lmms-eval task, at the README's relative path
     write_video(tmp_path / "clip.mp4", synthetic_video(24, 112, 112), fps=8)
     return tmp_path
 
@@ -103,6 +109,19 @@ def run_shell(block: str) -> int:
                 assert json.loads(started[0][4])[KEY]["methods"] == "vidcom2"
                 ran += 1
                 continue
+            if argv[:2] == ["vtc", "eval"] and "--model" in argv:
+                # a hub checkpoint on a hub dataset: checked up to the grid (arguments, task names), not run
+                from lmms_eval.tasks import TaskManager
+
+                from vtc.tools import eval as vtc_eval
+
+                seen = []
+                with pytest.MonkeyPatch.context() as mp:
+                    mp.setattr(vtc_eval, "evaluate_grid", lambda seen=seen, **kw: seen.append(kw) or {"cells": []})
+                    assert main(argv[1:]) == 0, command
+                vtc_eval.check_tasks(seen[0]["tasks"], TaskManager(verbosity="ERROR"))
+                ran += 1
+                continue
             if argv and argv[0] == "vtc":
                 assert main(argv[1:]) == 0, command
                 ran += 1
@@ -124,7 +143,7 @@ def test_readme_python_examples(offline, capsys):
 
 def test_readme_commands(offline):
     ran = sum(run_shell(block) for block in code_blocks(ROOT / "README.md", "bash"))
-    assert ran >= 5  # vtc run (twice), vtc methods, vtc run, vtc bench
+    assert ran >= 8  # vtc run (twice), vtc serve, vllm serve, vtc eval (three), vtc methods, vtc run, vtc bench, ...
 
 
 def test_docs_examples(offline, capsys):

@@ -1,4 +1,4 @@
-"""Command line: `vtc methods`, `vtc run`, `vtc bench`, `vtc serve`."""
+"""Command line: `vtc methods`, `vtc run`, `vtc bench`, `vtc eval`, `vtc serve`."""
 
 from __future__ import annotations
 
@@ -146,6 +146,31 @@ def cmd_bench(args, console: Console) -> int:
     return 0
 
 
+def cmd_eval(args, console: Console) -> int:
+    from vtc.tools.eval import evaluate_grid, parse_methods, parse_retentions
+
+    retentions = parse_retentions(args.retentions)
+    methods = parse_methods(args.methods)
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if not tasks:
+        raise ValueError("--tasks needs at least one lmms-eval task name")
+    report = evaluate_grid(
+        model=args.model,
+        tasks=tasks,
+        methods=methods,
+        retentions=retentions,
+        out_dir=args.out,
+        include_path=args.include_path,
+        num_frames=args.num_frames,
+        limit=args.limit,
+        params=parse_params(args.param),
+        model_args={"backend": args.backend, **parse_params(args.model_arg)},
+        family=args.family,
+        console=console,
+    )
+    return 0 if all(c.get("status") == "ok" for c in report["cells"]) else 1
+
+
 def cmd_serve(args, console: Console) -> int:
     from vtc.tools.serve import serve
 
@@ -204,6 +229,32 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--requests", type=int, default=4, help="vllm: requests sent together for throughput")
     bench.add_argument("--no-evs", action="store_true", help="vllm: skip vLLM's own EVS at the same kept counts")
 
+    evaluate = sub.add_parser(
+        "eval",
+        help="accuracy / visual tokens / TTFT of methods x retentions on lmms-eval tasks (table + Pareto plots)",
+        description="vtc eval --model MODEL --tasks videomme --methods a,b+c --retentions 0.5,0.25,0.1 --out DIR",
+    )
+    evaluate.add_argument("--model", help="HF model id or local path (default: a random-weight demo model)")
+    evaluate.add_argument("--tasks", required=True, help="comma-separated lmms-eval tasks, e.g. videomme,mlvu_dev")
+    evaluate.add_argument("--methods", required=True, help="comma-separated method specs (the baseline always runs)")
+    evaluate.add_argument(
+        "--retentions", default="0.5,0.25,0.1", help="comma-separated retentions in (0, 1], or default (official)"
+    )
+    evaluate.add_argument("--out", default="vtc-eval", help="output directory (rerun with the same one to resume)")
+    evaluate.add_argument("--include-path", help="directory of extra lmms-eval task YAMLs (lmms-eval --include_path)")
+    evaluate.add_argument(
+        "--num-frames", type=parse_value, default=32, help="frames per video (default 32; none: the sampler's rule)"
+    )
+    evaluate.add_argument("--limit", type=int, help="documents per task (for a quick look)")
+    evaluate.add_argument("--param", action="append", metavar="NAME=VALUE", help="method parameter, e.g. k=3")
+    evaluate.add_argument(
+        "--model-arg", action="append", metavar="NAME=VALUE", help="model arg of --model vtc, e.g. dtype=bfloat16"
+    )
+    evaluate.add_argument("--family", default="qwen2_5_vl", help="family of the random-weight demo model")
+    evaluate.add_argument(
+        "--backend", choices=("hf", "vllm"), default="hf", help="hf (default) or vllm (one engine per cell)"
+    )
+
     serve = sub.add_parser(
         "serve",
         help="vLLM's OpenAI-compatible server with compression (any further option goes to `vllm serve`)",
@@ -229,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    handler = {"methods": cmd_methods, "run": cmd_run, "bench": cmd_bench, "serve": cmd_serve}[args.command]
+    handler = {"methods": cmd_methods, "run": cmd_run, "bench": cmd_bench, "eval": cmd_eval, "serve": cmd_serve}
+    handler = handler[args.command]
     try:
         return handler(args, console)
     except (ValueError, TypeError, FileNotFoundError) as err:

@@ -1,0 +1,137 @@
+"""Per-document efficiency records and their summary: what the `vtc` lmms-eval model logs with every sample
+(visual tokens per stage, prefill time, TTFT) and what `vtc eval` and the results JSON aggregate from them.
+Plain dictionaries, so a results file can be read back without lmms-eval or vtc's model classes."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from vtc.core.stats import ForwardStats
+
+
+def doc_record(
+    stats: ForwardStats | None,
+    *,
+    visual_tokens: int,
+    grids: list[tuple[int, int, int]],
+    prompt_tokens: int,
+    output_tokens: int,
+    ttft_s: float,
+    generate_s: float,
+    prefill_s: float,
+    sample_s: float,
+) -> dict[str, Any]:
+    """One document. With `stats` (a patched model's last prefill) the counts are vtc's; without (the uncompressed
+    baseline) every visual token reaches every layer: `visual_tokens` in, the same out."""
+    record: dict[str, Any] = {
+        "grids": [list(g) for g in grids],
+        "ttft_s": ttft_s,
+        "generate_s": generate_s,
+        "prefill_s": prefill_s,
+        "sample_s": sample_s,
+        "output_tokens": output_tokens,
+        "backend": "hf",
+    }
+    if stats is None or not stats.has_video:
+        record.update(
+            visual_tokens_in=visual_tokens,
+            llm_visual_tokens=visual_tokens,
+            visual_tokens_out=visual_tokens,
+            prompt_tokens=prompt_tokens,
+            llm_prompt_tokens=prompt_tokens,
+            stages=[],
+        )
+        if stats is not None:
+            record["note"] = "no video in this document: vtc compressed nothing"
+        return record
+    record.update(
+        visual_tokens_in=stats.visual_tokens_in,
+        llm_visual_tokens=stats.llm_tokens_in,
+        visual_tokens_out=stats.visual_tokens_out,
+        prompt_tokens=stats.sequence_in,
+        llm_prompt_tokens=stats.sequence_out,
+        stages=[
+            {
+                "stage": s.stage,
+                "plugin": s.plugin,
+                "tokens_in": s.tokens_in,
+                "tokens_out": s.tokens_out,
+                "ms": round(s.seconds * 1e3, 3),
+            }
+            for s in stats.stages
+        ],
+        layer_visual_tokens=list(stats.layer_visual_tokens),
+    )
+    return record
+
+
+def served_record(
+    methods: str | None,
+    *,
+    grids: list[tuple[int, int, int]],
+    visual_tokens: int,
+    kept_tokens: int,
+    prompt_tokens: int,
+    llm_prompt_tokens: int,
+    output_tokens: int,
+    ttft_s: float | None,
+    prefill_s: float | None,
+    generate_s: float,
+    sample_s: float,
+) -> dict[str, Any]:
+    """One document answered by vLLM: the connect stage as one step (vLLM reports no per-plugin times), the LLM
+    untouched after it (serving runs connect-stage methods only). TTFT and prefill are vLLM's request metrics
+    (arrival to first token; scheduled to first token)."""
+    stages = (
+        []
+        if methods is None
+        else [
+            {"stage": "connect", "plugin": methods, "tokens_in": visual_tokens, "tokens_out": kept_tokens, "ms": None}
+        ]
+    )
+    return {
+        "grids": [list(g) for g in grids],
+        "ttft_s": ttft_s,
+        "generate_s": generate_s,
+        "prefill_s": prefill_s,
+        "sample_s": sample_s,
+        "output_tokens": output_tokens,
+        "visual_tokens_in": visual_tokens,
+        "llm_visual_tokens": kept_tokens,
+        "visual_tokens_out": kept_tokens,
+        "prompt_tokens": prompt_tokens,
+        "llm_prompt_tokens": llm_prompt_tokens,
+        "stages": stages,
+        "backend": "vllm",
+    }
+
+
+SUMMED = ("visual_tokens_in", "llm_visual_tokens", "visual_tokens_out", "prompt_tokens", "llm_prompt_tokens")
+TIMED = ("ttft_s", "prefill_s", "sample_s", "generate_s")
+
+
+def summarize(records: Iterable[dict[str, Any] | None]) -> dict[str, Any]:
+    """Means per document of the token counts and times, and the measured retention (visual tokens the LLM saw
+    at its input and at its last layer, over those the model produced, summed over documents). Documents without
+    a vtc record (another model's samples) are counted in `docs_without_record`."""
+    records = list(records)
+    present = [r for r in records if r]
+    summary: dict[str, Any] = {"docs": len(records), "docs_without_record": len(records) - len(present)}
+    if not present:
+        return summary
+    for key in SUMMED + TIMED:
+        values = [float(r[key]) for r in present if r.get(key) is not None]
+        summary[key] = sum(values) / len(values) if values else None
+    produced = sum(r["visual_tokens_in"] for r in present)
+    summary["retention_llm_input"] = sum(r["llm_visual_tokens"] for r in present) / produced if produced else 1.0
+    summary["retention_last_layer"] = sum(r["visual_tokens_out"] for r in present) / produced if produced else 1.0
+    return summary
+
+
+def records_of(samples: Iterable[dict[str, Any]]) -> list[dict[str, Any] | None]:
+    """The vtc record of each logged lmms-eval sample (None where a sample has none)."""
+    out = []
+    for sample in samples:
+        counts = [c for c in sample.get("token_counts") or [] if isinstance(c, dict)]
+        out.append(next((c["vtc"] for c in counts if "vtc" in c), None))
+    return out
