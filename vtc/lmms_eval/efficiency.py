@@ -9,6 +9,34 @@ from typing import Any, Iterable
 from vtc.core.stats import ForwardStats
 
 
+def _record(
+    backend: str,
+    grids: list[tuple[int, int, int]],
+    counts: dict[str, int],
+    stages: list[dict[str, Any]],
+    times: dict[str, float | None],
+    output_tokens: int,
+) -> dict[str, Any]:
+    return {
+        "backend": backend,
+        "grids": [list(g) for g in grids],
+        **counts,
+        "stages": stages,
+        **times,
+        "output_tokens": output_tokens,
+    }
+
+
+def _counts(visual_in: int, llm_visual: int, visual_out: int, prompt: int, llm_prompt: int) -> dict[str, int]:
+    return {
+        "visual_tokens_in": visual_in,  # produced by the vision encoder (compressible)
+        "llm_visual_tokens": llm_visual,  # entering the LLM
+        "visual_tokens_out": visual_out,  # alive at the LLM's last layer
+        "prompt_tokens": prompt,  # the prompt before compression
+        "llm_prompt_tokens": llm_prompt,  # the prompt the LLM ran
+    }
+
+
 def doc_record(
     stats: ForwardStats | None,
     *,
@@ -21,47 +49,30 @@ def doc_record(
     prefill_s: float,
     sample_s: float,
 ) -> dict[str, Any]:
-    """One document. With `stats` (a patched model's last prefill) the counts are vtc's; without (the uncompressed
-    baseline) every visual token reaches every layer: `visual_tokens` in, the same out."""
-    record: dict[str, Any] = {
-        "grids": [list(g) for g in grids],
-        "ttft_s": ttft_s,
-        "generate_s": generate_s,
-        "prefill_s": prefill_s,
-        "sample_s": sample_s,
-        "output_tokens": output_tokens,
-        "backend": "hf",
-    }
+    """One document on the HF backend. With `stats` (a patched model's last prefill) the counts are vtc's; without
+    (the uncompressed baseline) every visual token reaches every layer: `visual_tokens` in, the same out."""
+    times = {"ttft_s": ttft_s, "prefill_s": prefill_s, "generate_s": generate_s, "sample_s": sample_s}
     if stats is None or not stats.has_video:
-        record.update(
-            visual_tokens_in=visual_tokens,
-            llm_visual_tokens=visual_tokens,
-            visual_tokens_out=visual_tokens,
-            prompt_tokens=prompt_tokens,
-            llm_prompt_tokens=prompt_tokens,
-            stages=[],
-        )
+        counts = _counts(visual_tokens, visual_tokens, visual_tokens, prompt_tokens, prompt_tokens)
+        record = _record("hf", grids, counts, [], times, output_tokens)
         if stats is not None:
             record["note"] = "no video in this document: vtc compressed nothing"
         return record
-    record.update(
-        visual_tokens_in=stats.visual_tokens_in,
-        llm_visual_tokens=stats.llm_tokens_in,
-        visual_tokens_out=stats.visual_tokens_out,
-        prompt_tokens=stats.sequence_in,
-        llm_prompt_tokens=stats.sequence_out,
-        stages=[
-            {
-                "stage": s.stage,
-                "plugin": s.plugin,
-                "tokens_in": s.tokens_in,
-                "tokens_out": s.tokens_out,
-                "ms": round(s.seconds * 1e3, 3),
-            }
-            for s in stats.stages
-        ],
-        layer_visual_tokens=list(stats.layer_visual_tokens),
+    counts = _counts(
+        stats.visual_tokens_in, stats.llm_tokens_in, stats.visual_tokens_out, stats.sequence_in, stats.sequence_out
     )
+    stages = [
+        {
+            "stage": s.stage,
+            "plugin": s.plugin,
+            "tokens_in": s.tokens_in,
+            "tokens_out": s.tokens_out,
+            "ms": round(s.seconds * 1e3, 3),
+        }
+        for s in stats.stages
+    ]
+    record = _record("hf", grids, counts, stages, times, output_tokens)
+    record["layer_visual_tokens"] = list(stats.layer_visual_tokens)
     return record
 
 
@@ -82,28 +93,14 @@ def served_record(
     """One document answered by vLLM: the connect stage as one step (vLLM reports no per-plugin times), the LLM
     untouched after it (serving runs connect-stage methods only). TTFT and prefill are vLLM's request metrics
     (arrival to first token; scheduled to first token)."""
-    stages = (
-        []
-        if methods is None
-        else [
+    stages = []
+    if methods is not None:
+        stages = [
             {"stage": "connect", "plugin": methods, "tokens_in": visual_tokens, "tokens_out": kept_tokens, "ms": None}
         ]
-    )
-    return {
-        "grids": [list(g) for g in grids],
-        "ttft_s": ttft_s,
-        "generate_s": generate_s,
-        "prefill_s": prefill_s,
-        "sample_s": sample_s,
-        "output_tokens": output_tokens,
-        "visual_tokens_in": visual_tokens,
-        "llm_visual_tokens": kept_tokens,
-        "visual_tokens_out": kept_tokens,
-        "prompt_tokens": prompt_tokens,
-        "llm_prompt_tokens": llm_prompt_tokens,
-        "stages": stages,
-        "backend": "vllm",
-    }
+    counts = _counts(visual_tokens, kept_tokens, kept_tokens, prompt_tokens, llm_prompt_tokens)
+    times = {"ttft_s": ttft_s, "prefill_s": prefill_s, "generate_s": generate_s, "sample_s": sample_s}
+    return _record("vllm", grids, counts, stages, times, output_tokens)
 
 
 SUMMED = ("visual_tokens_in", "llm_visual_tokens", "visual_tokens_out", "prompt_tokens", "llm_prompt_tokens")
