@@ -159,6 +159,20 @@ def test_the_task_brings_its_own_messages(saved):
     assert prompt.count("<|video_pad|>") == record["visual_tokens_in"] == 2 * record["llm_visual_tokens"]
 
 
+def test_a_document_without_video_runs_uncompressed_and_says_so(saved):
+    from PIL import Image
+
+    from vtc.lmms_eval.model import VtcModel
+
+    lm = VtcModel(pretrained=saved["qwen2_5_vl"], methods="vidcom2", retention=0.5, device="cpu")
+    image = Image.new("RGB", (56, 56), (200, 30, 30))
+    messages = [{"role": "user", "content": [{"type": "image", "url": image}, {"type": "text", "text": "Colour?"}]}]
+    with pytest.warns(UserWarning, match="no video in this document, so vidcom2 compresses nothing"):
+        text, record = lm.answer(messages, {"max_new_tokens": 2})
+    assert record["note"].startswith("no video") and record["stages"] == [] and record["visual_tokens_in"] == 0
+    assert record["llm_prompt_tokens"] == record["prompt_tokens"] > 4  # the image's tokens, uncompressed
+
+
 @pytest.mark.parametrize(
     "args, match",
     [

@@ -8,6 +8,8 @@ from typing import Any, Iterable
 
 from vtc.core.stats import ForwardStats
 
+NO_VIDEO = "no video in this document: vtc compressed nothing"
+
 
 def _record(
     backend: str,
@@ -56,7 +58,7 @@ def doc_record(
         counts = _counts(visual_tokens, visual_tokens, visual_tokens, prompt_tokens, prompt_tokens)
         record = _record("hf", grids, counts, [], times, output_tokens)
         if stats is not None:
-            record["note"] = "no video in this document: vtc compressed nothing"
+            record["note"] = NO_VIDEO
         return record
     counts = _counts(
         stats.visual_tokens_in, stats.llm_tokens_in, stats.visual_tokens_out, stats.sequence_in, stats.sequence_out
@@ -100,7 +102,10 @@ def served_record(
         ]
     counts = _counts(visual_tokens, kept_tokens, kept_tokens, prompt_tokens, llm_prompt_tokens)
     times = {"ttft_s": ttft_s, "prefill_s": prefill_s, "generate_s": generate_s, "sample_s": sample_s}
-    return _record("vllm", grids, counts, stages, times, output_tokens)
+    record = _record("vllm", grids, counts, stages, times, output_tokens)
+    if methods is not None and not grids:
+        record["note"] = NO_VIDEO
+    return record
 
 
 SUMMED = ("visual_tokens_in", "llm_visual_tokens", "visual_tokens_out", "prompt_tokens", "llm_prompt_tokens")

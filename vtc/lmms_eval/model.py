@@ -16,6 +16,7 @@ import dataclasses
 import json
 import os
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -173,6 +174,7 @@ class VtcModel(lmms):
         self.llm = None  # backend=vllm
         self.serving: ServeConfig | None = None
         self.keep_loaded = False
+        self._warned_no_video = False
         if self.args.backend == "hf":
             device_map = self.args.device_map or _device_map(self.args.device)
             extra = {"attn_implementation": self.args.attn_implementation} if self.args.attn_implementation else {}
@@ -292,6 +294,13 @@ class VtcModel(lmms):
         """The answer to one chat in lmms-eval's message format (greedy unless the task asks for sampling), and
         the document's record."""
         chat = Chat.parse(raw_messages, self.system_prompt, where, self)
+        if chat.video is None and self.pipeline is not None and not self._warned_no_video:
+            self._warned_no_video = True
+            warnings.warn(
+                f"{where}: no video in this document, so {self.pipeline.spec} compresses nothing (vtc compresses "
+                "videos; images pass as they are). Its record says so; further documents like it are not warned about",
+                stacklevel=2,
+            )
         if self.args.backend == "vllm":
             return self._answer_vllm(chat, gen_kwargs)
         return self._answer_hf(chat, gen_kwargs)
@@ -397,7 +406,8 @@ class VtcModel(lmms):
 
     def _spans(self, inputs) -> list:
         """Where each video's tokens sit in the (uncompressed) prompt, with their grids."""
-        return self.adapter.video_spans(CapturedInputs(inputs["input_ids"], inputs.get("attention_mask"), dict(inputs)))
+        captured = CapturedInputs(inputs["input_ids"], inputs.get("attention_mask"), dict(inputs))
+        return self.adapter.video_spans(captured) if self.adapter.has_video(captured) else []
 
     def _text_and_images(self, chat: Chat):
         text = self.processor.apply_chat_template(chat.messages, add_generation_prompt=True, tokenize=False)
