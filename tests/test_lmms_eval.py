@@ -317,6 +317,22 @@ def test_the_recipes_in_docs_eval_are_valid_commands():
             assert any(vtc_eval.params_for(spec, {key: value}) for spec in seen[0]["methods"]), (key, line)
 
 
+def test_a_group_without_aggregate_scores_as_the_mean_of_its_subtasks():
+    from vtc.tools.eval import leaf_tasks, primary_metric
+
+    results = {
+        "results": {"mvbench": {"alias": "mvbench"}, "mvbench_a": {"acc,none": 0.5}, "mvbench_b": {"acc,none": 0.7}},
+        "group_subtasks": {"mvbench": ["mvbench_a", "mvbench_b"]},
+        "configs": {
+            "mvbench_a": {"metric_list": [{"metric": "acc"}]},
+            "mvbench_b": {"metric_list": [{"metric": "acc"}]},
+        },
+    }
+    assert leaf_tasks(results, "mvbench") == ["mvbench_a", "mvbench_b"]
+    assert primary_metric(results, "mvbench") == ("mean of 2 subtasks' acc", pytest.approx(0.6))
+    assert primary_metric(results, "mvbench_b") == ("acc", 0.7)
+
+
 def test_pareto_front():
     from vtc.tools.eval import pareto_front
 

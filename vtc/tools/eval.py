@@ -99,8 +99,17 @@ def grid_cells(tasks: list[str], methods: list[str], retentions: list[float | No
     return cells
 
 
+def leaf_tasks(results: dict[str, Any], task: str) -> list[str]:
+    """The tasks lmms-eval ran for `task`: itself, or a group's subtasks (nested groups flattened)."""
+    groups = results.get("group_subtasks") or {}
+    if not groups.get(task):
+        return [task]
+    return [leaf for sub in groups[task] for leaf in leaf_tasks(results, sub)]
+
+
 def primary_metric(results: dict[str, Any], task: str) -> tuple[str, float | None]:
-    """The task's first metric (its YAML's metric_list order), as lmms-eval reports it."""
+    """The task's first metric (its YAML's metric_list order), as lmms-eval reports it. A group without an
+    aggregate of its own (MVBench) gets the mean of its subtasks' first metrics, as the papers report it."""
     config = (results.get("configs") or {}).get(task) or {}
     wanted = [m.get("metric") for m in config.get("metric_list") or [] if isinstance(m, dict)]
     scores = (results.get("results") or {}).get(task) or (results.get("groups") or {}).get(task) or {}
@@ -112,6 +121,12 @@ def primary_metric(results: dict[str, Any], task: str) -> tuple[str, float | Non
     if numeric:
         key, value = next(iter(numeric.items()))
         return key.split(",")[0], float(value)
+    leaves = leaf_tasks(results, task)
+    if leaves != [task]:
+        scored = [primary_metric(results, leaf) for leaf in leaves]
+        values = [v for _, v in scored if v is not None]
+        if values:
+            return f"mean of {len(values)} subtasks' {scored[0][0]}", sum(values) / len(values)
     return "metric", None
 
 
@@ -130,7 +145,8 @@ def run_cell(lm, cell: Cell, task_manager, limit: int | None, params: dict[str, 
     )
     if results is None:
         raise RuntimeError("lmms-eval returned no results")
-    samples = (results.get("samples") or {}).get(cell.task, [])
+    logged = results.get("samples") or {}
+    samples = [sample for leaf in leaf_tasks(results, cell.task) for sample in logged.get(leaf, [])]
     metric, value = primary_metric(results, cell.task)
     return {
         "metric": metric,
