@@ -181,7 +181,6 @@ def test_a_document_without_video_runs_uncompressed_and_says_so(saved):
         ({"retention": 0.5}, r"retention.*methods="),
         ({"methods": "nosuch"}, r"nosuch"),
         ({"methods": "vidcom2", "retention": 1.5}, r"retention"),
-        ({"methods": "vidcom2", "batch_size": 4}, r"--batch_size 1"),
         ({"methods": "vidcom2", "num_frames": 0}, r"num_frames"),
         ({"backend": "sglang"}, r"backend must be one of hf, vllm"),
         ({"backend": "vllm", "device_map": "cpu"}, r"device_map: only with backend=hf"),
@@ -195,6 +194,13 @@ def test_bad_model_args_name_the_allowed_values(saved, args, match):
 
     with pytest.raises(ValueError, match=match):
         VtcModel(pretrained=saved["qwen2_5_vl"], device="cpu", **args)
+
+
+def test_a_batch_size_above_one_is_said_to_change_nothing(saved):
+    from vtc.lmms_eval.model import VtcModel
+
+    with pytest.warns(UserWarning, match="one document at a time.*batch_size=4"):
+        VtcModel(pretrained=saved["qwen2_5_vl"], device="cpu", batch_size=4)
 
 
 def test_model_args_from_the_command_line_are_parsed():

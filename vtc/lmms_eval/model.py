@@ -83,11 +83,6 @@ def split_model_args(args: dict[str, Any]) -> tuple[ModelArgs, dict[str, Any]]:
             f"unknown model args {given} for --model vtc without methods=: vtc's model args are "
             f"{', '.join(MODEL_ARGS)}; method parameters and retention need methods=<spec> (see `vtc methods`)"
         )
-    if str(parsed.batch_size) != "1":
-        raise ValueError(
-            f"--model vtc runs one document per generate call (per-document TTFT and token counts), got batch_size="
-            f"{parsed.batch_size}; use --batch_size 1"
-        )
     if parsed.backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {parsed.backend!r}")
     if parsed.backend == "vllm":
@@ -169,6 +164,12 @@ class VtcModel(lmms):
                 "tensor_parallel_size goes in vllm_args); data-parallel launches are not supported"
             )
         self.args, params = split_model_args(model_args)
+        if str(self.args.batch_size) != "1":
+            warnings.warn(
+                f"--model vtc answers one document at a time (per-document TTFT and token counts): batch_size="
+                f"{self.args.batch_size} changes nothing but the speed you might have expected",
+                stacklevel=2,
+            )
         self.system_prompt = self._resolve_system_prompt(self.args.system_prompt) if self.args.system_prompt else ""
         self.handle: vtc.PatchHandle | None = None  # backend=hf
         self.llm = None  # backend=vllm
