@@ -183,6 +183,7 @@ def test_a_document_without_video_runs_uncompressed_and_says_so(saved):
         ({"methods": "vidcom2", "retention": 1.5}, r"retention"),
         ({"methods": "vidcom2", "num_frames": 0}, r"num_frames"),
         ({"backend": "sglang"}, r"backend must be one of hf, vllm"),
+        ({"max_pixels": 40000, "_family": "llava_onevision"}, r"max_pixels: Qwen families only"),
         ({"backend": "vllm", "device_map": "cpu"}, r"device_map: only with backend=hf"),
         ({"vllm_args": '{"max_model_len": 4096}'}, r"vllm_args: only with backend=vllm"),
         ({"backend": "vllm", "vllm_args": "{max_model_len: 4096}"}, r"vllm_args must be a JSON object"),
@@ -192,8 +193,9 @@ def test_a_document_without_video_runs_uncompressed_and_says_so(saved):
 def test_bad_model_args_name_the_allowed_values(saved, args, match):
     from vtc.lmms_eval.model import VtcModel
 
+    family = args.pop("_family", "qwen2_5_vl")
     with pytest.raises(ValueError, match=match):
-        VtcModel(pretrained=saved["qwen2_5_vl"], device="cpu", **args)
+        VtcModel(pretrained=saved[family], device="cpu", **args)
 
 
 def test_a_batch_size_above_one_is_said_to_change_nothing(saved):
@@ -396,7 +398,16 @@ def test_vllm_backend_of_the_vtc_model_matches_the_hf_backend_document_by_docume
     length after compression as the HF backend; vLLM's request metrics give TTFT."""
     from vtc.lmms_eval.model import VtcModel
 
-    common = dict(pretrained=saved["qwen2_5_vl"], methods="vidcom2", retention=0.25, num_frames=8)
+    # min/max_pixels reach the processor on both backends: the 112 px clips stay 112 px (4x4 tokens a frame pair)
+    # instead of being upscaled to the tiny processor's default floor (4x12x12)
+    common = dict(
+        pretrained=saved["qwen2_5_vl"],
+        methods="vidcom2",
+        retention=0.25,
+        num_frames=8,
+        min_pixels=3136,
+        max_pixels=40000,
+    )
     served = VtcModel(backend="vllm", vllm_args={"max_model_len": 4096}, **common)
     try:
         vllm_results = evaluate(served, task_manager, limit=4)
@@ -411,6 +422,7 @@ def test_vllm_backend_of_the_vtc_model_matches_the_hf_backend_document_by_docume
     assert len(served_records) == 4
     for v, h in zip(served_records, hf_records):
         assert {k: v[k] for k in keys} == {k: h[k] for k in keys}
-        assert v["backend"] == "vllm" and v["stages"][0]["tokens_out"] == v["llm_visual_tokens"] == 144
+        assert v["grids"] == [[4, 4, 4]] and v["visual_tokens_in"] == 64
+        assert v["backend"] == "vllm" and v["stages"][0]["tokens_out"] == v["llm_visual_tokens"] == 16
         assert v["ttft_s"] > 0 and v["prefill_s"] > 0
     assert "avg_vtc_ttft_s" in vllm_results["throughput"]

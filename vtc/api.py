@@ -86,6 +86,7 @@ class PatchHandle:
         *,
         messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]] | None = None,
         images: Sequence[Any] | None = None,
+        processor_kwargs: dict[str, Any] | None = None,
     ):
         """Processor inputs for `video` (path, [T, H, W, 3] array, or a list of them) and `question`, with
         frames chosen by this pipeline's `sample` stage (uniform when it has none). Feed the result to
@@ -93,17 +94,18 @@ class PatchHandle:
 
         `messages`: your own chat (one per video, each with one `{"type": "video"}` entry) instead of vtc's
         "video, then question" prompt; `question` is then what query-aware methods read. `images`: the images
-        of the chats' image entries (a list per video)."""
+        of the chats' image entries (a list per video). `processor_kwargs`: extra arguments of the processor call
+        (e.g. Qwen's `max_pixels`)."""
         videos, questions = _as_batch(video, question)
         if messages is not None and isinstance(question, str):
             messages, images = [messages], ([images] if images is not None else None)
         args = (processor, videos, questions, self.pipeline, num_frames, fps, system, self.model, self.family)
         if self._patch is None:
-            inputs, _ = prepare_batch(*args, messages=messages, images=images)
+            inputs, _ = prepare_batch(*args, messages=messages, images=images, processor_kwargs=processor_kwargs)
             return inputs
         # samplers may run the model itself (QuoTA scores frames with it): not through vtc's own hooks
         with self._patch.suspended():
-            inputs, prepared = prepare_batch(*args, messages=messages, images=images)
+            inputs, prepared = prepare_batch(*args, messages=messages, images=images, processor_kwargs=processor_kwargs)
         if self._patch.tokenizer is None:
             self._patch.tokenizer = getattr(processor, "tokenizer", None)
         # one request at a time: what an earlier prepare call computed is dropped (memory stays bounded)

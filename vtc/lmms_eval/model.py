@@ -53,6 +53,8 @@ class ModelArgs:
     attn_implementation: str | None = None  # e.g. flash_attention_2 (FastV-style methods read attention anyway)
     max_new_tokens: int | None = None  # cap on the task's own max_new_tokens
     system_prompt: str | None = None  # a system message (text or a file) put before the task's messages
+    max_pixels: int | None = None  # Qwen families: the video processor's pixel cap per frame (as lmms-eval's qwen)
+    min_pixels: int | None = None  # Qwen families: its floor
     backend: str = "hf"  # "hf" (transformers generate) or "vllm" (vllm.LLM with vtc's additional_config)
     vllm_args: dict | str | None = None  # backend=vllm: vllm.LLM options as JSON, e.g. {"max_model_len": 32768}
     # set by lmms-eval from its own flags
@@ -189,6 +191,12 @@ class VtcModel(lmms):
             self.family = family_of(getattr(config, "architectures", None))
             self.adapter = config_adapter(self.family, config)
             self.processor = AutoProcessor.from_pretrained(self.args.pretrained)
+        self.processor_kwargs = {k: v for k in ("max_pixels", "min_pixels") if (v := getattr(self.args, k)) is not None}
+        if self.processor_kwargs and not self.family.startswith("qwen"):
+            raise ValueError(
+                f"{', '.join(self.processor_kwargs)}: Qwen families only (their video processors cap pixels per "
+                f"frame); {self.family} resizes frames to its vision tower's fixed size"
+            )
         self.configure(self.args.methods, self.args.retention, params)
 
     # --- compression ----------------------------------------------------------------------------------------------
@@ -318,6 +326,7 @@ class VtcModel(lmms):
                 num_frames=self.args.num_frames,
                 messages=chat.messages,
                 images=chat.images,
+                processor_kwargs=self.processor_kwargs,
             )
         else:
             inputs, _ = prepare_batch(
@@ -328,6 +337,7 @@ class VtcModel(lmms):
                 family=self.family,
                 messages=[chat.messages],
                 images=[chat.images],
+                processor_kwargs=self.processor_kwargs,
             )
         sample_s = time.perf_counter() - start
         inputs = inputs.to(self.model.device)
@@ -374,6 +384,7 @@ class VtcModel(lmms):
                 images=images,
                 return_tensors="pt",
                 **processor_video_kwargs(self.processor, [sampled]),
+                **self.processor_kwargs,
             )
         else:
             full = self.processor(text=[prompt], images=images, return_tensors="pt")
@@ -383,7 +394,8 @@ class VtcModel(lmms):
 
         params = SamplingParams(**self._sampling_options(gen_kwargs))
         start = time.perf_counter()
-        (out,) = self.llm.generate([{"prompt": prompt, "multi_modal_data": data}], params, use_tqdm=False)
+        request = {"prompt": prompt, "multi_modal_data": data, "mm_processor_kwargs": self.processor_kwargs}
+        (out,) = self.llm.generate([request], params, use_tqdm=False)
         generate_s = time.perf_counter() - start
         metrics = out.metrics
         spans = self._spans(full)

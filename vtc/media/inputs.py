@@ -109,13 +109,15 @@ def prepare_batch(
     family: str | None = None,
     messages: Sequence[list[dict[str, Any]]] | None = None,
     images: Sequence[list[Any]] | None = None,
+    processor_kwargs: dict[str, Any] | None = None,
 ):
     """Processor inputs (a `BatchFeature`) for one question per video, left-padded for generation, and what
     the sample stage prepared for each video. `family` (default: the processor's) picks the uniform rule.
 
     `messages` (one chat per video, with one `{"type": "video"}` entry each) replace vtc's own prompt (the video,
     then the question): an evaluation task brings its own. `images` (a list per video) fill the chats' image
-    entries. The sample stage still sees `questions`."""
+    entries. The sample stage still sees `questions`. `processor_kwargs` go to the processor call (Qwen's
+    `max_pixels` / `min_pixels`)."""
     if len(videos) != len(questions):
         raise ValueError(f"got {len(videos)} videos but {len(questions)} questions; pass one question per video")
     if messages is not None and len(messages) != len(videos):
@@ -135,5 +137,6 @@ def prepare_batch(
         **padding,
         **extra,
         **processor_video_kwargs(processor, sampled),
+        **(processor_kwargs or {}),
     )
     return inputs, [s.prepared for s in sampled]
