@@ -173,6 +173,27 @@ def test_a_document_without_video_runs_uncompressed_and_says_so(saved):
     assert record["llm_prompt_tokens"] == record["prompt_tokens"] > 4  # the image's tokens, uncompressed
 
 
+@pytest.mark.parametrize("family", tiny.FAMILIES)
+def test_every_family_answers_a_task_chat_with_its_promised_counts(family, tmp_path):
+    """One document of the local task on each of the five families: the record's counts are the pipeline's."""
+    from vtc.lmms_eval.model import VtcModel
+
+    path = str(tmp_path / family)
+    tiny.save(family, path)
+    lm = VtcModel(pretrained=path, methods="vidcom2", retention=0.5, fixed_count=True, num_frames=8, device="cpu")
+    video = str(Path(TASK_DIR) / "data" / "clip1.mp4")
+    messages = [{"role": "user", "content": [{"type": "video", "url": video}, {"type": "text", "text": "Colour?"}]}]
+    text, record = lm.answer(messages, {"max_new_tokens": 2})
+    (grid,) = record["grids"]
+    assert record["visual_tokens_in"] == math.prod(grid) and grid[0] >= 2
+    assert record["llm_visual_tokens"] == lm.pipeline.retained_count(tuple(grid)) < record["visual_tokens_in"]
+    assert (
+        record["llm_prompt_tokens"]
+        == record["prompt_tokens"] - record["visual_tokens_in"] + record["llm_visual_tokens"]
+    )
+    assert record["output_tokens"] >= 1 and isinstance(text, str)
+
+
 @pytest.mark.parametrize(
     "args, match",
     [
