@@ -292,6 +292,29 @@ def test_vtc_eval_grid_table_plots_resume_and_a_failing_cell(saved, tmp_path, mo
         vtc_eval.evaluate_grid(**{**kwargs, "num_frames": 16})
 
 
+def test_vtc_eval_on_the_vllm_backend_starts_one_engine_per_cell(saved, tmp_path):
+    from vtc.tools.eval import evaluate_grid
+
+    out = tmp_path / "grid"
+    report = evaluate_grid(
+        saved["qwen2_5_vl"],
+        [TASK],
+        ["vidcom2"],
+        [0.25],
+        str(out),
+        include_path=TASK_DIR,
+        num_frames=8,
+        limit=2,
+        model_args={"backend": "vllm", "vllm_args": {"max_model_len": 4096}},
+    )
+    assert [c["status"] for c in report["cells"]] == ["ok", "ok"]
+    assert report["model"].endswith("[vllm]")
+    compressed = report["cells"][1]["efficiency"]
+    assert compressed["retention_llm_input"] == pytest.approx(0.25, abs=0.01)
+    samples = [json.loads(line) for line in open(out / "samples" / "vtc_clips__vidcom2__r0.25.jsonl")]
+    assert {s["token_counts"][0]["vtc"]["backend"] for s in samples} == {"vllm"}
+
+
 def test_vtc_eval_refuses_bad_grids_before_loading_anything(tmp_path):
     from vtc.tools.eval import evaluate_grid, parse_methods, parse_retentions
 
