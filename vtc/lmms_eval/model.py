@@ -176,14 +176,15 @@ class VtcModel(lmms):
         self.handle: vtc.PatchHandle | None = None  # backend=hf
         self.llm = None  # backend=vllm
         self.serving: ServeConfig | None = None
+        self._served_pipeline: Pipeline | None = None  # the serving config's pipeline, built once per engine
         self.keep_loaded = False
         self._warned_no_video = False
         if self.args.backend == "hf":
             device_map = self.args.device_map or _device_map(self.args.device)
             extra = {"attn_implementation": self.args.attn_implementation} if self.args.attn_implementation else {}
             self.model, self.processor = load_model(self.args.pretrained, self.args.dtype, device_map, **extra)
-            self.family = resolve_adapter(self.model).family
             self.adapter = resolve_adapter(self.model)
+            self.family = self.adapter.family
         else:
             from transformers import AutoConfig, AutoProcessor
 
@@ -228,11 +229,11 @@ class VtcModel(lmms):
     def _start_engine(self, methods: str | None, retention: float | None, params: dict[str, Any]) -> None:
         from vtc.vllm.engine import shutdown, start
 
-        serving = None
+        serving = pipeline = None
         if methods is not None:
             raw = {"methods": methods, "retention": retention, "params": params, "seed": self.args.seed}
             serving = ServeConfig.from_dict(raw)
-            serving.pipeline(self.family)  # family checks before an engine starts
+            pipeline = serving.pipeline(self.family)  # family checks before an engine starts
         if self.llm is not None:
             shutdown(self.llm)
             self.llm = None
@@ -240,13 +241,13 @@ class VtcModel(lmms):
         if self.args.dtype != "auto":
             options["dtype"] = self.args.dtype
         options.update(self.args.vllm_args or {})
-        self.serving = serving
+        self.serving, self._served_pipeline = serving, pipeline
         self.llm = start(self.args.pretrained, serving.to_dict() if serving else None, **options)
 
     @property
     def pipeline(self) -> Pipeline | None:
         if self.args.backend == "vllm":
-            return self.serving.pipeline(self.family) if self.serving is not None else None
+            return self._served_pipeline
         return self.handle.pipeline if self.handle is not None else None
 
     # --- lmms-eval's interface ------------------------------------------------------------------------------------
@@ -432,18 +433,26 @@ class VtcModel(lmms):
             max_new = min(max_new, int(self.args.max_new_tokens))
         return max_new
 
+    def _sampling(self, gen_kwargs: dict[str, Any]) -> dict[str, Any] | None:
+        """The task's sampling settings (temperature and the given top_p / top_k), or None for greedy decoding."""
+        temperature = float(gen_kwargs.get("temperature") or 0.0)
+        if not (temperature > 0 or gen_kwargs.get("do_sample")):
+            return None
+        options: dict[str, Any] = {"temperature": temperature or 1.0}
+        for key in ("top_p", "top_k"):
+            if gen_kwargs.get(key) is not None:
+                options[key] = gen_kwargs[key]
+        return options
+
     def _generation_options(self, gen_kwargs: dict[str, Any]) -> dict[str, Any]:
         """lmms-eval's generation kwargs as `generate` options (greedy unless the task asks for sampling)."""
-        temperature = float(gen_kwargs.get("temperature") or 0.0)
         options: dict[str, Any] = {
             "max_new_tokens": self._max_new_tokens(gen_kwargs),
             "num_beams": int(gen_kwargs.get("num_beams") or 1),
         }
-        if temperature > 0 or gen_kwargs.get("do_sample"):
-            options.update(do_sample=True, temperature=temperature or 1.0)
-            for key in ("top_p", "top_k"):
-                if gen_kwargs.get(key) is not None:
-                    options[key] = gen_kwargs[key]
+        sampling = self._sampling(gen_kwargs)
+        if sampling is not None:
+            options.update(do_sample=True, **sampling)
         else:
             options.update(do_sample=False, temperature=None, top_p=None, top_k=None)
         tokenizer = getattr(self.processor, "tokenizer", None)
@@ -455,16 +464,11 @@ class VtcModel(lmms):
         """The same kwargs as vLLM `SamplingParams` (beam search is not a vLLM sampling option)."""
         if int(gen_kwargs.get("num_beams") or 1) > 1:
             raise ValueError("backend=vllm samples or decodes greedily; the task asks for beam search (num_beams > 1)")
-        temperature = float(gen_kwargs.get("temperature") or 0.0)
-        options: dict[str, Any] = {"max_tokens": self._max_new_tokens(gen_kwargs), "temperature": temperature}
-        if temperature > 0 or gen_kwargs.get("do_sample"):
-            options["temperature"] = temperature or 1.0
-            for key in ("top_p", "top_k"):
-                if gen_kwargs.get(key) is not None:
-                    options[key] = gen_kwargs[key]
-        until = gen_kwargs.get("until")
-        if until:
-            options["stop"] = [until] if isinstance(until, str) else list(until)
+        options: dict[str, Any] = {"max_tokens": self._max_new_tokens(gen_kwargs), "temperature": 0.0}
+        options.update(self._sampling(gen_kwargs) or {})
+        stops = _stops(gen_kwargs.get("until"))
+        if stops:
+            options["stop"] = stops
         return options
 
 
@@ -490,10 +494,15 @@ def _device_map(device: str | None) -> str:
     return device
 
 
+def _stops(until) -> list[str]:
+    """The task's stop strings (`until` is one string or a list)."""
+    stops = [until] if isinstance(until, str) else list(until or [])
+    return [stop for stop in stops if stop]
+
+
 def _cut_at_stop(text: str, until) -> str:
     """The answer up to the first of the task's stop strings."""
-    stops = [until] if isinstance(until, str) else list(until or [])
-    for stop in stops:
-        if stop and stop in text:
+    for stop in _stops(until):
+        if stop in text:
             text = text.split(stop)[0]
     return text
