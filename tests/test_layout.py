@@ -15,7 +15,7 @@ import vtc
 
 ROOT = Path(vtc.__file__).parent
 # bottom to top; a module may import from its own floor and the floors before it
-FLOORS = ["core", "media", "hf", "vllm", "api", "lmms_eval", "testing", "tools"]
+FLOORS = ["core", "media", "hf", "vllm", "streaming", "api", "lmms_eval", "testing", "tools"]
 
 
 def floor_of(module: str) -> str | None:

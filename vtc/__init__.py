@@ -7,7 +7,8 @@ out = model.generate(**inputs)
 handle.stats(); handle.unpatch()
 
 Layout: `vtc.core` (backend-neutral types, registry, pipeline), `vtc.hf` (the HuggingFace backend),
-`vtc.media` (video reading and frame sampling), `vtc.tools` (CLI), `vtc.testing` (tiny offline models).
+`vtc.media` (video reading and frame sampling), `vtc.streaming` (`vtc.stream` sessions), `vtc.tools` (CLI),
+`vtc.testing` (tiny offline models).
 """
 
 from vtc import _moved
@@ -16,6 +17,7 @@ from vtc.core.hookspecs import hookimpl
 from vtc.core.registry import MethodInfo, registry
 from vtc.core.tokens import Context, VideoTokens
 from vtc.core.vision_stats import VisionStat
+from vtc.streaming import StreamSession, stream
 
 __version__ = "0.1.0"
 
@@ -31,6 +33,7 @@ __all__ = [
     "Context",
     "MethodInfo",
     "PatchHandle",
+    "StreamSession",
     "VideoTokens",
     "VisionStat",
     "hookimpl",
@@ -38,4 +41,5 @@ __all__ = [
     "patch",
     "prepare_inputs",
     "registry",
+    "stream",
 ]

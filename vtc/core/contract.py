@@ -53,6 +53,8 @@ class MethodPlugin(Protocol):
         parameters: serving engines call it before any model runs. For a method acting in the LLM it is the
         count at the last layer. vtc checks the promise on every forward.
     vision_stats(family) -> list[VisionStat]: the vision-tower statistics the connect hook reads from `ctx.vision`.
+    stream_memory(config) -> StreamMemory: the memory a `vtc.stream` session keeps (`vtc.stream.memory`);
+        `config` is the session's `StreamConfig` (budget, family, model). Methods declaring `stream_memory`.
     """
 
     def vtc_sample(self, video: Video, ctx: Context) -> list[int]: ...
@@ -67,7 +69,11 @@ class MethodPlugin(Protocol):
 
 
 # plugin-object methods that correspond to a `MethodInfo` capability flag
-CAPABILITY_METHODS = {"fixed_count": "retained_count", "vision_stats": "vision_stats"}
+CAPABILITY_METHODS = {
+    "fixed_count": "retained_count",
+    "vision_stats": "vision_stats",
+    "stream_memory": "stream_memory",
+}
 # attributes of the first plugin contract, now declared on MethodInfo (a plugin that still sets them is refused
 # with a message naming the MethodInfo field, so it is never silently ignored)
 LEGACY_ATTRIBUTES = {"needs_prepool": "prepool", "acts_during_decode": "acts_during_decode"}

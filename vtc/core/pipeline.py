@@ -113,6 +113,30 @@ def check_capabilities(info: MethodInfo, plugin: Any) -> None:
             raise TypeError(f"method {info.name!r} declares the {stage} stage but its plugin has no vtc_{stage} hook")
 
 
+def streaming_methods(methods: Registry | None = None) -> list[str]:
+    """Names of the methods `vtc.stream` can run (causal connect hooks and streaming memories)."""
+    return [i.name for i in (methods or registry()).infos() if i.streams or i.stream_memory]
+
+
+def check_streaming(infos: list[MethodInfo], streaming: bool, methods: Registry | None = None) -> None:
+    """A stream runs only causal connect hooks and one streaming memory; `vtc.patch` runs no stream-only method."""
+    if not streaming:
+        only = [i.name for i in infos if i.stream_only]
+        if only:
+            raise ValueError(
+                f"{', '.join(only)} is a streaming method (its memory of the stream is the method): run it with "
+                f"vtc.stream(model, processor, {'+'.join(only)!r}, ...) or `vtc stream`, not vtc.patch"
+            )
+        return
+    bad = [i.name for i in infos if not (i.streams or i.stream_memory)]
+    if bad:
+        raise ValueError(
+            f"{', '.join(bad)} cannot stream: a stream sees frames one chunk at a time, with no future frames, no "
+            f"frame sampling (the caller feeds the frames) and no whole-prompt LLM stage. Methods that stream: "
+            f"{', '.join(streaming_methods(methods))}"
+        )
+
+
 class Pipeline:
     """An ordered list of method plugins built from a spec, with their parameters.
 
@@ -131,6 +155,7 @@ class Pipeline:
         params: dict[str, Any] | None = None,
         methods: Registry | None = None,
         family: str | None = None,
+        streaming: bool = False,
     ) -> None:
         methods = methods or registry()
         names = parse_spec(spec)
@@ -139,6 +164,7 @@ class Pipeline:
         self.retention = validate_retention(retention)
         self.family: str | None = None
         self._check_conflicts(infos)
+        check_streaming(infos, streaming, methods)
         encoders = [info.name for info in infos if "encode" in info.stages]
         if encoders:
             # the hook exists for third-party plugins to target, but no backend calls it yet

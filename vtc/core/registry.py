@@ -75,6 +75,14 @@ class MethodInfo:
     acts_during_decode: `vtc_prefill` is also called on decode steps (`state.phase == "decode"`).
     needs_whole_frames: the connect hook needs every token of every frame, so no connect method may run
              before it (refused at `vtc.patch`).
+    streams: the connect hook is causal: `vtc.stream` may call it on consecutive chunks of one endless video
+             (frames in order, each chunk a `VideoTokens` of its own), and what it needs of earlier frames it
+             keeps in `ctx.store`, which lives as long as the stream (in `vtc.patch` it is fresh per prompt).
+    stream_memory: the method decides what a stream remembers: its plugin's `stream_memory(config)` returns
+             the memory (`vtc.stream.memory.StreamMemory`) a `vtc.stream` session stores tokens in and answers
+             from. At most one per pipeline (it owns "stream_memory").
+    stream_only: the method exists only as a stream (its memory is the method), so `vtc.patch` refuses it and
+             names `vtc.stream`.
     retention_reference: which count `retention` sets: "llm_input", "last_layer" or "layer_mean"
              (`RETENTION_REFERENCES`); methods acting only before the LLM use "llm_input".
     retention_note: where the method cannot honour `retention` exactly, and what it does instead.
@@ -101,6 +109,9 @@ class MethodInfo:
     prepool: bool = False
     acts_during_decode: bool = False
     needs_whole_frames: bool = False
+    streams: bool = False
+    stream_memory: bool = False
+    stream_only: bool = False
     retention_reference: str = "llm_input"
     retention_note: str = ""
     retention_granularity: int = 1
@@ -123,6 +134,10 @@ class MethodInfo:
         for flag in ("vision_stats", "prepool", "needs_whole_frames"):
             if getattr(self, flag) and "connect" not in self.stages:
                 bad(f"{flag} is a connect-stage capability, but the method has no connect stage")
+        if self.streams and "connect" not in self.stages:
+            bad("streams=True describes a connect hook, but the method has no connect stage")
+        if self.stream_only and not self.stream_memory:
+            bad("stream_only methods are streaming memories: declare stream_memory=True with a stream_memory()")
         if self.acts_during_decode and "prefill" not in self.stages:
             bad("acts_during_decode needs the prefill stage (its hook is vtc_prefill)")
         unknown = sorted(set(self.conformance_exemptions) - set(CONFORMANCE_CHECKS))
@@ -161,6 +176,9 @@ class MethodInfo:
             "acts_in_llm": self.acts_in_llm,
             "acts_during_decode": self.acts_during_decode,
             "needs_whole_frames": self.needs_whole_frames,
+            "streams": self.streams or self.stream_memory,
+            "stream_memory": self.stream_memory,
+            "stream_only": self.stream_only,
             "vision_stats": self.vision_stats,
             "prepool": self.prepool,
             "retention_reference": self.retention_reference,

@@ -1,0 +1,177 @@
+"""The LLM side of a stream: prefill rows of embeddings onto a key/value cache the memory holds, and decode.
+
+A memory keeps the cache as plain per-layer `(keys, values)` tensors ([1, kv_heads, L, head_dim], keys after
+RoPE, as the attention layers cache them); each forward wraps them in a transformers `DynamicCache`, which
+concatenates instead of writing in place, so the memory's tensors are never changed by a forward. Positions
+are always passed explicitly, with a 2-D mask of ones (the prompt of a stream is never padded).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from vtc.hf.adapters import Adapter
+
+Tensor = torch.Tensor
+KV = list[tuple[Tensor, Tensor]]
+
+
+def cache_length(kv: KV | None) -> int:
+    return 0 if not kv else int(kv[0][0].shape[2])
+
+
+def kv_bytes(kv: KV | None) -> int:
+    return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in (kv or []))
+
+
+def concat_kv(a: KV | None, b: KV) -> KV:
+    if not a:
+        return list(b)
+    return [(torch.cat([ka, kb], dim=2), torch.cat([va, vb], dim=2)) for (ka, va), (kb, vb) in zip(a, b)]
+
+
+def select_kv(kv: KV, index: Tensor) -> KV:
+    """The cache entries at `index` (token positions along the cache), per layer."""
+    return [(k.index_select(2, index.to(k.device)), v.index_select(2, index.to(v.device))) for k, v in kv]
+
+
+@dataclasses.dataclass
+class Forward:
+    logits: Tensor  # [V] of the last row
+    kv: KV  # per layer, the keys/values of the rows just run (not the past)
+    hidden: Tensor | None = None  # [L, D] last hidden states (when asked)
+
+
+class StreamLLM:
+    """Runs one model's text model on embeddings, with explicit positions and a cache given as tensors."""
+
+    def __init__(self, adapter: Adapter) -> None:
+        self.adapter = adapter
+        self.model = adapter.model
+        self.text_model = adapter.text_model
+        self.mrope = adapter.mrope
+        self.device = next(self.model.parameters()).device
+        self.dtype = self.adapter.embed(torch.zeros(1, dtype=torch.long, device=self.device)).dtype
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.adapter.decoder_layers)
+
+    def lm_head(self) -> torch.nn.Module:
+        return self.model.get_output_embeddings()
+
+    @torch.no_grad()
+    def forward(
+        self,
+        embeds: Tensor,
+        positions: Tensor,
+        past: KV | None = None,
+        *,
+        cache: Any = None,
+        deepstack: Tensor | None = None,
+        visual: Tensor | None = None,
+    ) -> Forward:
+        """Run rows `embeds` [L, D] at `positions` [P, L] after the cache `past` (or a ready `cache` object).
+        `deepstack` [N, levels, D]: Qwen3-VL's DeepStack features of the rows marked by `visual` [L]."""
+        n = embeds.shape[0]
+        if cache is None:
+            cache = DynamicCache(ddp_cache_data=[(k, v) for k, v in past]) if past else DynamicCache()
+        before = int(cache.get_seq_length())
+        pos = positions.to(self.device)
+        position_ids = pos[:, None, :] if self.mrope else pos[0][None]
+        mask = torch.ones(1, before + n, dtype=torch.long, device=self.device)
+        kwargs: dict[str, Any] = {}
+        if deepstack is not None and visual is not None and bool(visual.any()):
+            kwargs["visual_pos_masks"] = visual.to(self.device)[None]
+            kwargs["deepstack_visual_embeds"] = [deepstack[:, level].to(self.device) for level in range(deepstack.shape[1])]
+        out = self.text_model(
+            inputs_embeds=embeds.to(self.device, self.dtype)[None],
+            position_ids=position_ids,
+            attention_mask=mask,
+            past_key_values=cache,
+            use_cache=True,
+            **kwargs,
+        )
+        hidden = out.last_hidden_state[0]
+        logits = self.lm_head()(hidden[-1:]).float()[0]
+        new = [(layer.keys[:, :, before:], layer.values[:, :, before:]) for layer in out.past_key_values.layers]
+        return Forward(logits, new, hidden)
+
+    @torch.no_grad()
+    def greedy(
+        self,
+        past: KV | None,
+        embeds: Tensor,
+        positions: Tensor,
+        next_position: int,
+        max_new_tokens: int,
+        eos: set[int],
+        cache: Any = None,
+    ) -> tuple[list[int], Tensor, float]:
+        """Prefill `embeds` after `past`, then greedy decoding. Returns (token ids, first-token logits,
+        seconds to the first token). The caller's `past` is not changed."""
+        start = time.perf_counter()
+        if cache is None:
+            cache = DynamicCache(ddp_cache_data=[(k, v) for k, v in past]) if past else DynamicCache()
+        first = self.forward(embeds, positions, cache=cache)
+        ttft = time.perf_counter() - start
+        logits = first.logits
+        ids: list[int] = []
+        position = next_position
+        for _ in range(max_new_tokens):
+            token = int(torch.argmax(logits))
+            ids.append(token)
+            if token in eos:
+                break
+            if len(ids) == max_new_tokens:
+                break
+            emb = self.adapter.embed(torch.tensor([token], device=self.device))
+            rows = 3 if self.mrope else 1
+            logits = self.forward(emb, torch.full((rows, 1), position), cache=cache).logits
+            position += 1
+        return ids, first.logits, ttft
+
+
+def rope_function(adapter: Adapter):
+    """(rotary embedding module, apply(keys, cos, sin)) of the model's attention, to rotate stored keys.
+
+    Qwen2-VL / Qwen2.5-VL rotate with `apply_multimodal_rotary_pos_emb(q, k, cos, sin, mrope_section)`; the
+    other families' rotary modules already fold the M-RoPE sections (Qwen3-VL) or are 1-D, and rotate with
+    `apply_rotary_pos_emb(q, k, cos, sin)`."""
+    attention = adapter.decoder_layers[0].self_attn
+    module = sys.modules[type(attention).__module__]
+    rotary = adapter.text_model.rotary_emb
+    if hasattr(module, "apply_multimodal_rotary_pos_emb"):
+        section = adapter.text_model.config.rope_parameters["mrope_section"]
+
+        def apply(keys, cos, sin):
+            return module.apply_multimodal_rotary_pos_emb(keys, keys, cos, sin, section)[1]
+
+    else:
+
+        def apply(keys, cos, sin):
+            return module.apply_rotary_pos_emb(keys, keys, cos, sin)[1]
+
+    return rotary, apply
+
+
+class KeyRotation:
+    """Rotate keys [1, heads, L, d] stored before RoPE to their positions [P, L] (or undo a rotation)."""
+
+    def __init__(self, adapter: Adapter) -> None:
+        self.mrope = adapter.mrope
+        self.rotary, self.apply = rope_function(adapter)
+
+    def __call__(self, keys: Tensor, positions: Tensor, inverse: bool = False) -> Tensor:
+        pos = positions.to(keys.device)
+        position_ids = pos[:, None, :] if self.mrope else pos[0][None]
+        cos, sin = self.rotary(keys, position_ids)
+        if inverse:
+            sin = -sin
+        return self.apply(keys, cos.to(keys.dtype), sin.to(keys.dtype))

@@ -1,0 +1,159 @@
+"""What a stream remembers, and the memory every stream has unless a method brings its own.
+
+A session hands its memory the prompt's prefix once (`start`), then every chunk after the connect stage
+(`append`, a `Segment`), and asks it for the past to answer from (`answer_past`). A memory decides what it
+keeps and in what form (full-precision KV, quantized KV, token embeddings), and must stay within
+`config.budget_tokens` visual tokens whatever the stream's length.
+
+`WindowMemory` (the default): the keys and values of every kept token, prefilled chunk by chunk onto the
+cache, so a question only prefills itself. Over the budget, the oldest frames are dropped whole (the prefix
+stays: it is the attention sink). Remaining tokens keep the positions they were encoded at. With no budget
+and nothing pruned, the cache is exactly the cache of the whole video passed as one prompt (causal attention:
+a token's keys and values never depend on later tokens).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+import torch
+
+from vtc.core.tokens import VideoTokens
+from vtc.streaming.llm import KV, StreamLLM, cache_length, concat_kv, kv_bytes, select_kv
+
+Tensor = torch.Tensor
+
+
+@dataclasses.dataclass
+class StreamConfig:
+    """What a memory is told about its session.
+
+    budget_tokens: the most visual tokens the memory may hold (None: unbounded)
+    family / model / adapter: the model being streamed to
+    fps: frames per second of the stream (timestamps = frame index / fps)
+    """
+
+    budget_tokens: int | None
+    family: str
+    model: Any = None
+    adapter: Any = None
+    fps: float = 0.5
+
+
+@dataclasses.dataclass
+class Segment:
+    """Rows of the stream's prompt, ready for the LLM.
+
+    embeds [L, D], positions [P, L] (P = 3 on M-RoPE families), visual [L] (video tokens; False for text such as
+    Qwen3-VL's timestamps), frame [L] (temporal index in the stream of the row's frame; -1 for rows outside any
+    frame), deepstack [N, levels, D] (Qwen3-VL, for the visual rows in order). `tokens`: the chunk's kept
+    `VideoTokens` after the connect stage (with the extras plugins attached), `tokens_in`: visual tokens before.
+    """
+
+    embeds: Tensor
+    positions: Tensor
+    visual: Tensor
+    frame: Tensor
+    deepstack: Tensor | None = None
+    tokens: VideoTokens | None = None
+    tokens_in: int = 0
+
+    def __len__(self) -> int:
+        return int(self.embeds.shape[0])
+
+    @property
+    def num_visual(self) -> int:
+        return int(self.visual.sum())
+
+
+@dataclasses.dataclass
+class AnswerPast:
+    """What a question is answered from: the cache, and, when the memory renumbers, where the question starts."""
+
+    kv: KV | None
+    next_position: int | None = None  # None: the stream's own next position
+    cache: Any = None  # a ready transformers cache instead of `kv`
+    retrieved_tokens: int | None = None  # visual tokens the answer attends to (memories that retrieve)
+
+
+class StreamMemory(Protocol):
+    """The interface of a stream memory (see the module docstring)."""
+
+    name: str
+
+    def start(self, llm: StreamLLM, prefix: Segment) -> None: ...
+
+    def append(self, segment: Segment) -> None: ...
+
+    def answer_past(self, question: Segment) -> AnswerPast: ...
+
+    @property
+    def stored_tokens(self) -> int: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+
+class WindowMemory:
+    """Full-precision KV of every kept token; the oldest frames leave once the budget is exceeded."""
+
+    name = "window"
+
+    def __init__(self, config: StreamConfig) -> None:
+        self.config = config
+        self.llm: StreamLLM | None = None
+        self.kv: KV | None = None
+        self.frame: Tensor = torch.empty(0, dtype=torch.long)  # frame of each cached row (-1: prefix)
+        self.visual: Tensor = torch.empty(0, dtype=torch.bool)
+        self.evicted_frames = 0
+
+    def start(self, llm: StreamLLM, prefix: Segment) -> None:
+        self.llm = llm
+        self.kv = llm.forward(prefix.embeds, prefix.positions).kv
+        self.frame = prefix.frame.clone()
+        self.visual = prefix.visual.clone()
+
+    def append(self, segment: Segment) -> None:
+        out = self.llm.forward(
+            segment.embeds, segment.positions, self.kv, deepstack=segment.deepstack, visual=segment.visual
+        )
+        self.kv = concat_kv(self.kv, out.kv)
+        self.frame = torch.cat([self.frame, segment.frame.cpu()])
+        self.visual = torch.cat([self.visual, segment.visual.cpu()])
+        self._evict()
+
+    def _evict(self) -> None:
+        budget = self.config.budget_tokens
+        if budget is None or self.stored_tokens <= budget:
+            return
+        # oldest frames first, whole: count visual rows per frame, drop until the rest fits
+        frames = self.frame[self.visual]
+        ids, counts = torch.unique(frames, return_counts=True)
+        remaining = int(counts.sum())
+        drop = []
+        for frame, count in zip(ids.tolist(), counts.tolist()):
+            if remaining <= budget:
+                break
+            drop.append(frame)
+            remaining -= count
+        keep = ~torch.isin(self.frame, torch.tensor(drop, dtype=torch.long))
+        index = torch.nonzero(keep).flatten()
+        self.kv = select_kv(self.kv, index)
+        self.frame, self.visual = self.frame[keep], self.visual[keep]
+        self.evicted_frames += len(drop)
+
+    def answer_past(self, question: Segment) -> AnswerPast:
+        return AnswerPast(self.kv, retrieved_tokens=self.stored_tokens)
+
+    @property
+    def stored_tokens(self) -> int:
+        return int(self.visual.sum())
+
+    @property
+    def cached_rows(self) -> int:
+        return cache_length(self.kv)
+
+    @property
+    def nbytes(self) -> int:
+        return kv_bytes(self.kv)
