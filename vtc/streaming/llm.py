@@ -89,7 +89,9 @@ class StreamLLM:
         kwargs: dict[str, Any] = {}
         if deepstack is not None and visual is not None and bool(visual.any()):
             kwargs["visual_pos_masks"] = visual.to(self.device)[None]
-            kwargs["deepstack_visual_embeds"] = [deepstack[:, level].to(self.device) for level in range(deepstack.shape[1])]
+            kwargs["deepstack_visual_embeds"] = [
+                deepstack[:, level].to(self.device) for level in range(deepstack.shape[1])
+            ]
         out = self.text_model(
             inputs_embeds=embeds.to(self.device, self.dtype)[None],
             position_ids=position_ids,

@@ -15,11 +15,11 @@ a token's keys and values never depend on later tokens).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Protocol
 
 import torch
 
-from vtc.core.tokens import VideoTokens
 from vtc.streaming.llm import KV, StreamLLM, cache_length, concat_kv, kv_bytes, select_kv
 
 Tensor = torch.Tensor
@@ -56,8 +56,9 @@ class Segment:
     visual: Tensor
     frame: Tensor
     deepstack: Tensor | None = None
-    tokens: VideoTokens | None = None
+    extras: dict[str, Tensor] = dataclasses.field(default_factory=dict)
     tokens_in: int = 0
+    grid: tuple[int, int, int] | None = None  # the chunk's token grid (T, H, W); None for text
 
     def __len__(self) -> int:
         return int(self.embeds.shape[0])
@@ -75,6 +76,8 @@ class AnswerPast:
     next_position: int | None = None  # None: the stream's own next position
     cache: Any = None  # a ready transformers cache instead of `kv`
     retrieved_tokens: int | None = None  # visual tokens the answer attends to (memories that retrieve)
+    seconds: float = 0.0  # time the memory spent building this past (counted in the question's TTFT)
+    release: Any = None  # called once the question is answered (or failed): remove what the memory hooked
 
 
 class StreamMemory(Protocol):
@@ -93,6 +96,18 @@ class StreamMemory(Protocol):
 
     @property
     def nbytes(self) -> int: ...
+
+
+def check_frame_fits(budget: int | None, segment: Segment, what: str = "visual tokens") -> None:
+    """A budget must hold at least one frame of what the memory stores."""
+    if budget is None or segment.grid is None:
+        return
+    per_frame = segment.num_visual / segment.grid[0]
+    if per_frame > budget:
+        raise ValueError(
+            f"budget_tokens={budget} is smaller than one frame: each temporal patch brings {per_frame:g} {what}; "
+            f"raise the budget to at least {math.ceil(per_frame)}"
+        )
 
 
 class WindowMemory:
@@ -115,6 +130,7 @@ class WindowMemory:
         self.visual = prefix.visual.clone()
 
     def append(self, segment: Segment) -> None:
+        check_frame_fits(self.config.budget_tokens, segment)
         out = self.llm.forward(
             segment.embeds, segment.positions, self.kv, deepstack=segment.deepstack, visual=segment.visual
         )

@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 import torch
@@ -100,6 +100,18 @@ def fixed_frame_size(video_processor, chunk_frames: int) -> dict[str, int]:
     return {"shortest_edge": temporal * factor * factor, "longest_edge": longest * max(1, chunk_frames // temporal)}
 
 
+def open_stream_video(video: Any, fps: float):
+    """(source, indices): a video file (or a [T, H, W, 3] array, whose frames are taken as already at `fps`) and
+    the indices of its frames at `fps` frames per second, from its first frame on."""
+    from vtc.media.video import VideoSource
+
+    is_array = not isinstance(video, (str, bytes)) and not hasattr(video, "__fspath__")
+    source = VideoSource.open(video, fps=fps if is_array else None)
+    step = source.fps / fps
+    indices = [int(round(k * step)) for k in range(int(source.num_frames / step + 1e-9) + 1)]
+    return source, [i for i in indices if i < source.num_frames] or [0]
+
+
 def _as_frame(frame: Any) -> np.ndarray:
     if isinstance(frame, torch.Tensor):
         frame = frame.detach().cpu().numpy()
@@ -135,20 +147,27 @@ class StreamSession:
         self.model = model
         self.processor = processor
         family = self.adapter.family
-        if budget_tokens is not None and (isinstance(budget_tokens, bool) or int(budget_tokens) != budget_tokens
-                                          or budget_tokens < 1):
+        if budget_tokens is not None and (
+            isinstance(budget_tokens, bool) or int(budget_tokens) != budget_tokens or budget_tokens < 1
+        ):
             raise ValueError(f"budget_tokens must be a positive integer (visual tokens kept), got {budget_tokens!r}")
         if not (isinstance(fps, (int, float)) and fps > 0):
             raise ValueError(f"fps must be a positive number (frames per second of the stream), got {fps!r}")
         self.pipeline = Pipeline(methods, retention, params, family=family, streaming=True) if methods else None
         if self.pipeline is None and (retention is not None or params):
-            raise ValueError("retention and method parameters need methods; e.g. vtc.stream(model, processor, 'mssavt')")
+            raise ValueError(
+                "retention and method parameters need methods; e.g. vtc.stream(model, processor, 'mssavt')"
+            )
         self.spec = self.pipeline.spec if self.pipeline else "none"
         self.config = StreamConfig(budget_tokens, family, model, self.adapter, float(fps))
         owner = next((e for e in (self.pipeline.entries if self.pipeline else []) if e.info.stream_memory), None)
         self.memory = owner.plugin.stream_memory(self.config) if owner is not None else WindowMemory(self.config)
-        policy = self.pipeline.position_policy(positions, self.adapter.mrope) if self.pipeline else (positions or "keep")
-        self.temporal_patch = int(getattr(processor.video_processor, "temporal_patch_size", 1)) if self.adapter.mrope else 1
+        policy = (
+            self.pipeline.position_policy(positions, self.adapter.mrope) if self.pipeline else (positions or "keep")
+        )
+        self.temporal_patch = (
+            int(getattr(processor.video_processor, "temporal_patch_size", 1)) if self.adapter.mrope else 1
+        )
         chunk = chunk_frames if chunk_frames is not None else getattr(self.memory, "chunk_frames", None)
         chunk = chunk or self.temporal_patch
         if isinstance(chunk, bool) or int(chunk) != chunk or chunk < 1 or chunk % self.temporal_patch:
@@ -229,14 +248,9 @@ class StreamSession:
     def feed_video(self, video: Any, fps: float | None = None, progress: Any = None) -> int:
         """Feed a video file (or [T, H, W, 3] array) sampled at `fps` (default: the stream's fps). Returns the
         number of frames fed. `progress(done, total)` is called after each frame when given."""
-        from vtc.media.video import VideoSource
-
         self._check_open()
         fps = float(fps or self.config.fps)
-        source = VideoSource.open(video, fps=None if isinstance(video, (str, bytes)) or hasattr(video, "__fspath__") else fps)
-        step = source.fps / fps
-        indices = [int(round(k * step)) for k in range(int(source.num_frames / step + 1e-9) + 1)]
-        indices = [i for i in indices if i < source.num_frames] or [0]
+        source, indices = open_stream_video(video, fps)
         batch = max(self.chunk_frames, 8)
         for start in range(0, len(indices), batch):
             for frame in source.read(indices[start : start + batch]):
@@ -261,13 +275,6 @@ class StreamSession:
                 "pass processor_kwargs that fix the frame size (e.g. Qwen's size / max_pixels)"
             )
         segment = self._connect(chunk, first // self.temporal_patch)
-        budget = self.config.budget_tokens
-        per_frame = segment.num_visual / max(1, chunk.grid[0])
-        if budget is not None and self.chunks == 0 and per_frame > budget:
-            raise ValueError(
-                f"budget_tokens={budget} is smaller than one frame: each temporal patch keeps {per_frame:g} visual "
-                f"tokens after {self.spec}; raise the budget to at least {int(np.ceil(per_frame))}"
-            )
         start = time.perf_counter()
         self.memory.append(segment)
         self.seconds["memory"] += time.perf_counter() - start
@@ -287,8 +294,13 @@ class StreamSession:
         if self.pipeline is not None:
             self.ctx.vision = chunk.vision
             tokens_in, out = connect_video(
-                self.pipeline, chunk.embeds[video_rows], chunk.grid, self.ctx, self.recorder,
-                extras=extras, seq_index=video_rows,
+                self.pipeline,
+                chunk.embeds[video_rows],
+                chunk.grid,
+                self.ctx,
+                self.recorder,
+                extras=extras,
+                seq_index=video_rows,
             )
         else:
             from vtc.core.engine import video_tokens
@@ -307,7 +319,9 @@ class StreamSession:
         rank = torch.argsort(rows)
         rows = rows[rank]
         embeds = torch.cat([chunk.embeds[text_index], out.embeds[order]])[rank]
-        visual = torch.cat([torch.zeros(len(text_index), dtype=torch.bool), torch.ones(len(kept_rows), dtype=torch.bool)])[rank.cpu()]
+        visual = torch.cat(
+            [torch.zeros(len(text_index), dtype=torch.bool), torch.ones(len(kept_rows), dtype=torch.bool)]
+        )[rank.cpu()]
         frames_of_kept = (out.frame[order] + first_group).cpu()
         if chunk.model_positions is not None and self.adapter.family == "qwen3_vl":
             positions = self.counter.shift(chunk.model_positions.cpu())[:, rows.cpu()]
@@ -321,10 +335,9 @@ class StreamSession:
         if len(vis_pos):
             nxt = torch.searchsorted(vis_pos, torch.arange(len(rows))).clamp(max=len(vis_pos) - 1)
             frame = frames_of_kept[nxt]
-        deepstack = out.extras.get("deepstack")
-        if deepstack is not None:
-            deepstack = deepstack[order]
-        return Segment(embeds, positions, visual, frame, deepstack, out, len(tokens_in))
+        extras = {name: value[order] for name, value in out.extras.items()}
+        deepstack = extras.pop("deepstack", None)
+        return Segment(embeds, positions, visual, frame, deepstack, extras, len(tokens_in), chunk.grid)
 
     # --- asking -------------------------------------------------------------------------------------------------
     def flush(self) -> None:
@@ -351,26 +364,46 @@ class StreamSession:
             )
         before, after = split_template(self.processor, question, self.system)
         if before != self.prefix_text:
-            raise ValueError("this chat template puts question-dependent text before the video; vtc.stream needs "
-                             "the video first")
+            raise ValueError(
+                "this chat template puts question-dependent text before the video; vtc.stream needs the video first"
+            )
         counter = copy.deepcopy(self.counter)  # asking never moves the stream's own positions
         question_rows = self._text_segment(text_ids(self.processor, after), counter, lead=self.tail)
         past = self.memory.answer_past(question_rows)
-        positions = question_rows.positions
-        next_position = counter.next
-        if past.next_position is not None:
-            n = len(question_rows)
-            rows = torch.arange(past.next_position, past.next_position + n)
-            positions = rows[None].expand(positions.shape[0], -1).clone()
-            next_position = past.next_position + n
-        ids, logits, ttft = self.llm.greedy(
-            past.kv, question_rows.embeds, positions, next_position, int(max_new_tokens), self._eos(), cache=past.cache
-        )
-        ttft += getattr(past, "seconds", 0.0)
+        try:
+            positions = question_rows.positions
+            next_position = counter.next
+            if past.next_position is not None:
+                n = len(question_rows)
+                rows = torch.arange(past.next_position, past.next_position + n)
+                positions = rows[None].expand(positions.shape[0], -1).clone()
+                next_position = past.next_position + n
+            ids, logits, ttft = self.llm.greedy(
+                past.kv,
+                question_rows.embeds,
+                positions,
+                next_position,
+                int(max_new_tokens),
+                self._eos(),
+                cache=past.cache,
+            )
+        finally:
+            if past.release is not None:
+                past.release()
+        ttft += past.seconds
         answer = self.processor.tokenizer.decode(ids, skip_special_tokens=True).strip()
         record = AskRecord(
-            question, answer, ids, logits, ttft, flush_s, self.frames_encoded, self.memory.stored_tokens,
-            past.retrieved_tokens, self.memory.nbytes, len(question_rows),
+            question,
+            answer,
+            ids,
+            logits,
+            ttft,
+            flush_s,
+            self.frames_encoded,
+            self.memory.stored_tokens,
+            past.retrieved_tokens,
+            self.memory.nbytes,
+            len(question_rows),
         )
         self.asks.append(record)
         return answer
@@ -392,7 +425,7 @@ class StreamSession:
         return StreamStats(
             methods=self.spec,
             memory=self.memory.name,
-            budget_tokens=self.config.budget_tokens,
+            budget_tokens=getattr(self.memory, "budget_tokens", self.config.budget_tokens),
             frames_fed=self.frames_fed,
             frames_encoded=self.frames_encoded,
             frames_pending=len(self.pending),
@@ -429,8 +462,9 @@ class StreamSession:
         return f"StreamSession({self.spec!r}, budget_tokens={self.config.budget_tokens}, {state})"
 
 
-def stream(model: torch.nn.Module, processor: Any, methods: str | None = None, retention: float | None = None,
-           **kwargs: Any) -> StreamSession:
+def stream(
+    model: torch.nn.Module, processor: Any, methods: str | None = None, retention: float | None = None, **kwargs: Any
+) -> StreamSession:
     """Open a stream on `model`: `with vtc.stream(model, processor, "streamingtom", budget_tokens=12544) as s:`.
 
     methods: a spec of streaming methods (`vtc methods` marks them), or None for no compression.

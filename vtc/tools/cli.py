@@ -1,4 +1,4 @@
-"""Command line: `vtc methods`, `vtc run`, `vtc bench`, `vtc eval`, `vtc serve`."""
+"""Command line: `vtc methods`, `vtc run`, `vtc bench`, `vtc eval`, `vtc serve`, `vtc stream`."""
 
 from __future__ import annotations
 
@@ -184,6 +184,34 @@ def cmd_serve(args, console: Console) -> int:
     )
 
 
+def cmd_stream(args, console: Console) -> int:
+    from vtc.tools.stream import parse_times, stream_video
+
+    result = stream_video(
+        model=args.model,
+        video=args.video,
+        fps=args.fps,
+        methods=None if args.methods in ("", "none") else args.methods,
+        retention=args.retention,
+        budget_tokens=args.budget_tokens,
+        questions=args.ask,
+        ask_at=parse_times(args.ask_at),
+        max_new_tokens=args.max_new_tokens,
+        params=parse_params(args.param),
+        chunk_frames=args.chunk_frames,
+        family=args.family,
+        size=args.size,
+        dtype=args.dtype,
+        device=args.device,
+        console=console,
+    )
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=2, default=str)
+        console.print(f"wrote {args.json}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vtc", description="training-free visual-token compression for video-LLMs")
     sub = parser.add_subparsers(dest="command")
@@ -265,6 +293,27 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--retention", type=float, help="fraction of each video's tokens the LLM sees, in (0, 1]")
     serve.add_argument("--param", action="append", metavar="NAME=VALUE", help="method parameter, e.g. k=3")
     serve.add_argument("--seed", type=int, default=0, help="seed of every random choice (default 0)")
+    stream = sub.add_parser(
+        "stream",
+        help="feed a video into a bounded-memory stream and ask at given times (no arguments: offline demo)",
+        description="vtc stream --video long.mp4 --fps 0.5 --methods streamingtom --ask '...' --ask-at 30,120,300",
+    )
+    stream.add_argument("--model", help="HF model id or local path (default: offline random-weight demo model)")
+    stream.add_argument("--video", help="video file (default: a generated six-minute clip)")
+    stream.add_argument("--fps", type=float, default=0.5, help="frames per second fed to the stream (default 0.5)")
+    stream.add_argument("--methods", default="streamingtom", help="streaming method spec (default streamingtom; none)")
+    stream.add_argument("--retention", type=float, help="fraction of each frame's tokens the connect stage keeps")
+    stream.add_argument("--budget-tokens", type=int, help="most visual tokens the memory holds (default: method's)")
+    stream.add_argument("--ask", action="append", metavar="QUESTION", help="question (repeat: one per --ask-at time)")
+    stream.add_argument("--ask-at", help="comma-separated seconds of stream time (default: 1/3, 2/3 and the end)")
+    stream.add_argument("--max-new-tokens", type=int, default=24)
+    stream.add_argument("--chunk-frames", type=int, help="frames encoded together (default: the method's)")
+    stream.add_argument("--param", action="append", metavar="NAME=VALUE", help="method parameter, e.g. bits=2")
+    stream.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    stream.add_argument("--device", default="auto", help="device_map for from_pretrained (auto = GPU if available)")
+    stream.add_argument("--family", default="qwen2_5_vl", help="demo model family")
+    stream.add_argument("--size", default="demo", help="demo model size: tiny, demo, bench")
+    stream.add_argument("--json", metavar="PATH", help="also write the asks and stats as JSON")
     return parser
 
 
@@ -280,7 +329,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    handler = {"methods": cmd_methods, "run": cmd_run, "bench": cmd_bench, "eval": cmd_eval, "serve": cmd_serve}
+    handler = {
+        "methods": cmd_methods,
+        "run": cmd_run,
+        "bench": cmd_bench,
+        "eval": cmd_eval,
+        "serve": cmd_serve,
+        "stream": cmd_stream,
+    }
     handler = handler[args.command]
     try:
         return handler(args, console)
