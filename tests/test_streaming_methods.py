@@ -203,6 +203,7 @@ MEMORIES = [
     ("streamingtom", dict(retention=0.5)),  # 8 tokens per group
     ("lifestream", {}),
     ("mssavt", dict(retention=0.5)),
+    ("memstream", dict(experts="internal")),  # adaptive: merged windows make frames of 4 to 16 tokens
 ]
 
 
@@ -223,7 +224,14 @@ def test_memory_is_flat_for_every_streaming_method(spec, kwargs, frames):
         s.ask(QUESTION, max_new_tokens=1)
         stats = s.stats()
     assert stats.stored_tokens <= budget and stats.frames_encoded == frames
-    if spec != "lifestream":  # per-frame groups: the budget fills to whole frames of 8 tokens
-        assert stats.stored_tokens == budget // 8 * 8 if frames >= 10 else True
-    if frames >= 100:  # once full, neither the tokens nor the bytes grow
+    per_frame = {"streamingtom": 8, "mssavt": 8}.get(spec)
+    if per_frame:  # whole frames: the budget fills to whole frames
+        assert stats.stored_tokens == budget // per_frame * per_frame
+    if frames >= 100 and spec != "memstream":  # once full, neither the tokens nor the bytes grow
         assert len(set(sizes[-5:])) == 1, sizes[-5:]
+    if spec == "memstream":  # adaptive frames: bounded by the budget's keys and values plus one key per frame
+        config = model.config.get_text_config()
+        head_dim = config.hidden_size // config.num_attention_heads
+        per_token = config.num_hidden_layers * config.num_key_value_heads * head_dim * 4
+        bound = (len(s.prefix_rows) + budget) * 2 * per_token + budget * per_token
+        assert all(tokens <= budget and nbytes <= bound for tokens, nbytes in sizes)

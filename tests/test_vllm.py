@@ -83,7 +83,9 @@ def test_servable_methods_are_the_connect_methods_with_a_fixed_count():
         "dycoke-ttm",
         "fastvid",
         "holitom-outer",
+        "mssavt",
         "random",
+        "streamingtom-ctr",
         "vidcom2",
         "visionzip",
     ]

@@ -59,6 +59,8 @@ class Segment:
     extras: dict[str, Tensor] = dataclasses.field(default_factory=dict)
     tokens_in: int = 0
     grid: tuple[int, int, int] | None = None  # the chunk's token grid (T, H, W); None for text
+    pixels: Any = None  # the chunk's frames [n, H, W, 3] uint8 (for memories with their own image encoder)
+    text: str | None = None  # a question's text (question segments)
 
     def __len__(self) -> int:
         return int(self.embeds.shape[0])

@@ -275,6 +275,7 @@ class StreamSession:
                 "pass processor_kwargs that fix the frame size (e.g. Qwen's size / max_pixels)"
             )
         segment = self._connect(chunk, first // self.temporal_patch)
+        segment.pixels = np.stack(frames)
         start = time.perf_counter()
         self.memory.append(segment)
         self.seconds["memory"] += time.perf_counter() - start
@@ -369,6 +370,7 @@ class StreamSession:
             )
         counter = copy.deepcopy(self.counter)  # asking never moves the stream's own positions
         question_rows = self._text_segment(text_ids(self.processor, after), counter, lead=self.tail)
+        question_rows.text = question
         past = self.memory.answer_past(question_rows)
         try:
             positions = question_rows.positions

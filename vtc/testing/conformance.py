@@ -84,10 +84,15 @@ def applies(check: str, info: MethodInfo) -> bool:
 def cases(
     methods: Iterable[str] | None = None, families: Iterable[str] | None = None, checks: Iterable[str] | None = None
 ) -> list[Case]:
-    """Every (check, method, family) case for token-reducing `methods` (default: all registered), minus the
-    checks a method declares itself exempt from."""
+    """Every (check, method, family) case for token-reducing `methods` (default: all registered that `vtc.patch`
+    runs; stream-only methods are checked by their own stream tests), minus the checks a method declares itself
+    exempt from."""
     reg = registry()
-    names = list(methods) if methods is not None else [i.name for i in reg.infos() if i.reduces_tokens]
+    names = (
+        list(methods)
+        if methods is not None
+        else [i.name for i in reg.infos() if i.reduces_tokens and not i.stream_only]
+    )
     chosen = list(checks) if checks is not None else list(CONFORMANCE_CHECKS)
     unknown = sorted(set(chosen) - set(CONFORMANCE_CHECKS))
     if unknown:
@@ -97,6 +102,8 @@ def cases(
         info = reg[name]
         if not info.reduces_tokens:
             raise ValueError(f"{name} does not reduce tokens; the conformance matrix is for token-reducing methods")
+        if info.stream_only:
+            raise ValueError(f"{name} runs only in vtc.stream; the conformance matrix checks vtc.patch")
         for family in families if families is not None else info.families:
             for check in chosen:
                 if applies(check, info) and check not in info.conformance_exemptions:

@@ -58,7 +58,7 @@ def servable_methods() -> list[str]:
     """Installed methods a server can run: connect stage only, a fixed count, no question."""
     out = []
     for info in registry().infos():
-        if set(info.stages) == {"connect"} and info.fixed_count and not info.query_aware:
+        if set(info.stages) == {"connect"} and info.fixed_count and not info.query_aware and not info.stream_only:
             out.append(info.name)
     return sorted(out)
 
