@@ -140,3 +140,51 @@ def test_bench_writes_table_json_and_plot(tmp_path, capsys):
     for row in report["results"]:
         for key in ("prefill_s", "ttft_s", "peak_mb", "limit_s", "limit_final_s", "speedup", "efficiency"):
             assert row[key] > 0, key
+
+
+def test_stream_demo_asks_at_the_given_times(tmp_path, capsys, monkeypatch):
+    import vtc.tools.stream
+    from vtc.media.video import synthetic_video, write_video
+    from vtc.testing import tiny
+
+    monkeypatch.setattr(vtc.tools.stream, "build_random_model", lambda family, size, dtype: tiny.build(family))
+    video = str(tmp_path / "long.mp4")
+    write_video(video, synthetic_video(40, 112, 112), fps=1.0)  # 40 s
+    out = tmp_path / "stream.json"
+    argv = ["stream", "--video", video, "--fps", "0.5", "--methods", "streamingtom", "--retention", "0.25"]
+    argv += ["--ask", "What moved?", "--ask-at", "8,20,99", "--max-new-tokens", "2", "--json", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "asks (streamingtom)" in printed and "TTFT" in printed
+    result = json.loads(out.read_text())
+    asks = result["asks"]
+    assert [a["at_s"] for a in asks] == [8.0, 20.0, 99.0]
+    # at 0.5 fps, 8 s = 4 frames and 20 s = 10 frames; 99 s is past the end (20 frames): asked at the end
+    assert [a["frames_seen"] for a in asks] == [4, 10, 20]
+    assert all(a["question"] == "What moved?" and a["ttft_s"] > 0 for a in asks)
+    assert result["stats"]["frames_encoded"] == 20 and result["stats"]["memory"] == "streamingtom"
+
+
+def test_stream_errors_are_clear(capsys):
+    assert main(["stream", "--methods", "holitom", "--size", "tiny", "--ask-at", "10"]) == 2
+    assert "cannot stream" in capsys.readouterr().out
+    assert main(["stream", "--ask-at", "30,10"]) == 2
+    assert "increasing" in capsys.readouterr().out
+
+
+def test_bench_stream_writes_table_json_and_plot(tmp_path, monkeypatch, capsys):
+    import vtc.tools.bench_stream
+    from vtc.testing import tiny
+
+    monkeypatch.setattr(vtc.tools.bench_stream, "build_random_model", lambda family, size, dtype: tiny.build(family))
+    out = tmp_path / "bs"
+    argv = ["bench", "--stream", "--frames", "32", "--methods", "none,streamingtom,lifestream", "--out", str(out)]
+    assert main(argv) == 0
+    result = json.loads((out / "bench-stream.json").read_text())
+    assert result["checkpoints"] == [16, 32]
+    assert set(result["methods"]) == {"none", "streamingtom", "lifestream"}
+    naive = result["methods"]["none"]["rows"]
+    # naive streaming stores every token: twice the frames, twice the tokens
+    assert naive[1]["stored_tokens"] == 2 * naive[0]["stored_tokens"] == result["tokens_per_patch"] * 16
+    assert (out / "bench-stream.png").stat().st_size > 0
+    assert "KV compression" in (out / "bench-stream.md").read_text()

@@ -48,6 +48,7 @@ def offline(tmp_path, monkeypatch):
     import vtc.tools.bench
     import vtc.tools.loading
     import vtc.tools.run
+    import vtc.tools.stream
 
     built: dict[str, tuple] = {}
 
@@ -66,7 +67,7 @@ def offline(tmp_path, monkeypatch):
     monkeypatch.setattr(AutoProcessor, "from_pretrained", stand_in(AutoProcessor, 1))
     load = lambda name, **kw: get(name)  # noqa: E731
     small = lambda family, size, dtype="float32": tiny.build(family, size="tiny")  # noqa: E731
-    for module in (vtc.tools.run, vtc.tools.bench):
+    for module in (vtc.tools.run, vtc.tools.bench, vtc.tools.stream):
         monkeypatch.setattr(module, "load_model", load)
         monkeypatch.setattr(module, "build_random_model", small)
     monkeypatch.chdir(tmp_path)
@@ -139,6 +140,9 @@ def test_readme_python_examples(offline, capsys):
     assert not handle.active  # the `with` block unpatched
     assert handle.stats().visual_tokens_out == round(handle.stats().visual_tokens_in * 0.3)
     assert "per LLM layer" in capsys.readouterr().out
+    stream = namespace["s"]  # the streaming example: closed by its `with` block, its answers recorded
+    assert stream.closed and len(stream.asks) == 1 and stream.stats().frames_encoded == 6
+    assert stream.stats().stored_tokens <= 12544
 
 
 def test_readme_commands(offline):

@@ -169,7 +169,11 @@ def test_bad_input_gives_clear_errors(clip):
         s.feed(clip[2])
 
 
-def test_patch_refuses_stream_only_methods():
-    model, _ = model_and_processor("qwen2_vl")
+def test_patch_refuses_stream_only_methods_and_stream_refuses_a_patched_model():
+    model, processor = model_and_processor("qwen2_vl")
     with pytest.raises(ValueError, match="streaming method.*vtc.stream"):
         vtc.patch(model, "streamingtom")
+    with vtc.patch(model, "random", retention=0.5):
+        with pytest.raises(ValueError, match="patched by vtc.patch.*unpatch"):
+            vtc.stream(model, processor)
+    vtc.stream(model, processor).close()  # unpatched: fine

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -30,6 +31,9 @@ from vtc.hf.sequence import deepstack_per_token, identity_layout, rebuild
 from vtc.hf.vision import VisionCapture
 
 Tensor = torch.Tensor
+
+# models with vtc hooks installed now (weak: a patched model can be garbage-collected); vtc.stream refuses them
+PATCHED_MODELS: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 
 # outer-model forward arguments that describe the media (kept for the adapters)
 MEDIA_KWARGS = ("video_grid_thw", "second_per_grid_ts", "pixel_values_videos", "mm_encoder_outputs")
@@ -92,6 +96,7 @@ class ModelPatch:
     # --- install / remove -------------------------------------------------------------------------------------
     def install(self) -> None:
         adapter = self.adapter
+        PATCHED_MODELS.add(adapter.model)
         stats = self.pipeline.vision_stats(adapter.family)
         if stats:
             self.vision = VisionCapture(adapter, stats)
@@ -115,6 +120,7 @@ class ModelPatch:
             self.runtime.install()
 
     def remove(self) -> None:
+        PATCHED_MODELS.discard(self.adapter.model)
         for handle in self._handles:
             handle.remove()
         self._handles.clear()

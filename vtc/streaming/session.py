@@ -28,6 +28,7 @@ from vtc.core.pipeline import Pipeline
 from vtc.core.stats import StatsRecorder
 from vtc.core.tokens import Context
 from vtc.hf.adapters import resolve_adapter
+from vtc.hf.patching import PATCHED_MODELS
 from vtc.hf.vision import VisionCapture
 from vtc.streaming.encoder import ChunkEncoder, EncodedChunk
 from vtc.streaming.layout import PositionCounter, qwen_interval, split_template, text_ids
@@ -144,6 +145,11 @@ class StreamSession:
         **params: Any,
     ) -> None:
         self.adapter = resolve_adapter(model)
+        if model in PATCHED_MODELS:
+            raise ValueError(
+                "this model is patched by vtc.patch; a stream runs its own compression: call handle.unpatch() first "
+                "(or open the stream on another instance)"
+            )
         self.model = model
         self.processor = processor
         family = self.adapter.family

@@ -100,6 +100,20 @@ HF_ONLY_BENCH_OPTIONS = ("video", "param", "dtype")
 
 
 def cmd_bench(args, console: Console) -> int:
+    if args.stream:
+        from vtc.tools.bench_stream import bench_stream
+
+        bench_stream(
+            methods=args.methods.split(",") if args.methods else None,
+            frames=args.frames or 2048,
+            family=args.family or "qwen2_5_vl",
+            size=args.size or "demo",
+            frame_size=args.frame_size,
+            params=parse_params(args.param),
+            out=args.out if args.out != "vtc-bench-results" else "vtc-bench-stream",
+            console=console,
+        )
+        return 0
     for name, value in BENCH_DEFAULTS[args.backend].items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -256,6 +270,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--backend", choices=("hf", "vllm"), default="hf", help="hf (default) or vllm (TTFT, req/s)")
     bench.add_argument("--requests", type=int, default=4, help="vllm: requests sent together for throughput")
     bench.add_argument("--no-evs", action="store_true", help="vllm: skip vLLM's own EVS at the same kept counts")
+    bench.add_argument(
+        "--stream",
+        action="store_true",
+        help="memory and TTFT against stream length (vtc.stream; methods default none,streamingtom,mssavt,"
+        "lifestream,memstream; --frames default 2048; --size default demo)",
+    )
+    bench.add_argument("--frame-size", type=int, default=168, help="--stream: frame side in pixels (default 168)")
 
     evaluate = sub.add_parser(
         "eval",
