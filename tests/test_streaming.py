@@ -177,3 +177,30 @@ def test_patch_refuses_stream_only_methods_and_stream_refuses_a_patched_model():
         with pytest.raises(ValueError, match="patched by vtc.patch.*unpatch"):
             vtc.stream(model, processor)
     vtc.stream(model, processor).close()  # unpatched: fine
+
+
+@pytest.mark.parametrize(
+    "family,method",
+    [
+        ("qwen2_5_vl", "mssavt"),
+        ("qwen3_vl", "mssavt"),
+        ("llava_next_video", "mssavt"),
+        ("llava_onevision", "streamingtom-ctr"),
+        ("qwen2_vl", "streamingtom-ctr"),
+    ],
+)
+def test_a_compressed_stream_equals_the_same_method_on_the_whole_video(family, method, clip):
+    """A causal method keeps the same tokens at the same positions whether the video arrives in chunks or at once:
+    the stream's answer equals `vtc.patch` + generate on the whole video (positions, compact or kept, included)."""
+    model, processor = model_and_processor(family)
+    frames = clip[:6]
+    with vtc.stream(model, processor, method, retention=0.5) as s:
+        for frame in frames:
+            s.feed(frame)
+        s.ask(QUESTION, max_new_tokens=4)
+        streamed = s.last_ask
+    with vtc.patch(model, method, retention=0.5) as handle:
+        ref_logits, ref_ids, _ = whole_prompt(model, processor, frames)
+        assert handle.stats().visual_tokens_out == s.stats().stored_tokens
+    torch.testing.assert_close(streamed.first_logits, ref_logits, atol=1e-4, rtol=1e-4)
+    assert streamed.token_ids == ref_ids
