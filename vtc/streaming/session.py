@@ -159,6 +159,8 @@ class StreamSession:
             raise ValueError(f"budget_tokens must be a positive integer (visual tokens kept), got {budget_tokens!r}")
         if not (isinstance(fps, (int, float)) and fps > 0):
             raise ValueError(f"fps must be a positive number (frames per second of the stream), got {fps!r}")
+        if positions not in (None, "keep", "compact"):
+            raise ValueError(f"positions must be 'keep' or 'compact', got {positions!r}")
         self.pipeline = Pipeline(methods, retention, params, family=family, streaming=True) if methods else None
         if self.pipeline is None and (retention is not None or params):
             raise ValueError(
