@@ -54,7 +54,12 @@ def cmd_methods(args, console: Console) -> int:
             if i.fixed_count and i.acts_in_llm:
                 fixed += " (last layer)"
             counts = i.retention_reference.replace("_", " ") + ("*" if i.retention_note else "")
-        table.add_row(i.name, "+".join(i.stages), i.paper, families, fixed, counts, i.summary)
+        stage = "+".join(i.stages)
+        if i.stream_only:
+            stage = "stream only"
+        elif i.streams:
+            stage += " (streams)"
+        table.add_row(i.name, stage, i.paper, families, fixed, counts, i.summary)
     console.print(table)
     notes = [(i.name, i.retention_note) for i in infos if i.retention_note]
     if notes:
