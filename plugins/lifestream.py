@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +43,8 @@ import torch.nn.functional as F
 from vtc.core.hookspecs import hookimpl
 from vtc.core.registry import MethodInfo
 from vtc.core.vision_stats import VisionStat
+from vtc.streaming.llm import concat_kv, kv_bytes
+from vtc.streaming.memory import AnswerPast
 from vtc_kernels import frame_cosine, topk_mask
 
 Tensor = torch.Tensor
@@ -575,11 +578,6 @@ class LifeStreamMemory:
             self.memory.add_frame(x[rows.to(dev)], positions[:, rows], saliency[rows.to(saliency.device)], int(frame))
 
     def answer_past(self, question):
-        import time
-
-        from vtc.streaming.llm import concat_kv
-        from vtc.streaming.memory import AnswerPast
-
         start = time.perf_counter()
         tokens = self.memory.snapshot()
         out = self.llm.forward(tokens.embeds, tokens.positions, self.prefix_kv)
@@ -592,8 +590,6 @@ class LifeStreamMemory:
 
     @property
     def nbytes(self) -> int:
-        from vtc.streaming.llm import kv_bytes
-
         return kv_bytes(self.prefix_kv) + (self.memory.nbytes if self.memory is not None else 0)
 
 

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from vtc.core.hookspecs import hookimpl
 from vtc.core.registry import MethodInfo
-from vtc.streaming.llm import KeyRotation, concat_kv, kv_bytes, select_kv
+from vtc.streaming.llm import KeyRotation, QueryCapture, concat_kv, kv_bytes, select_kv
 from vtc.streaming.memory import AnswerPast
 from vtc_kernels import frame_cosine
 
@@ -302,28 +302,13 @@ class MemStreamMemory:
     @torch.no_grad()
     def _internal_scores(self, question) -> Tensor:
         """mean over layers of cos(mean pre-RoPE question query, frame key), from the question after the sink."""
-        adapter = self.llm.adapter
-        kv_heads = int(adapter.text_model.config.num_key_value_heads)
-        captured, hooks = {}, []
-        for layer, block in enumerate(adapter.decoder_layers):
-            attention = block.self_attn
-            source = getattr(attention, "q_norm", None) or attention.q_proj
-
-            def capture(module, args, output, layer=layer):
-                captured[layer] = output[0].detach().float()
-
-            hooks.append(source.register_forward_hook(capture))
-        try:
+        with QueryCapture(self.llm.adapter) as queries:
             positions = torch.arange(self.prefix_length, self.prefix_length + len(question))
             self.llm.forward(question.embeds, positions[None].expand(question.positions.shape[0], -1), self.prefix_kv)
-        finally:
-            for h in hooks:
-                h.remove()
         scores = []
-        for layer in range(len(captured)):
-            q = captured[layer]
-            c = self.frame_keys.shape[2]
-            q_mean = q.reshape(q.shape[0], kv_heads, -1, c // kv_heads).mean(dim=(0, 2)).reshape(-1).cpu()
+        head_dim = self.frame_keys.shape[2] // queries.kv_heads
+        for layer in range(self.frame_keys.shape[1]):
+            q_mean = queries.mean(layer, head_dim).cpu()
             scores.append(F.cosine_similarity(self.frame_keys[:, layer], q_mean[None], dim=-1))
         return torch.stack(scores).mean(dim=0)
 

@@ -49,7 +49,8 @@ from transformers import DynamicCache
 from vtc.core.hookspecs import hookimpl
 from vtc.core.registry import MethodInfo
 from vtc.core.vision_stats import VisionStat
-from vtc.streaming.llm import kv_bytes
+from vtc.streaming.llm import KeyRotation, QueryCapture, concat_kv, kv_bytes
+from vtc.streaming.memory import AnswerPast
 from vtc_kernels import dequantize_groups, quantize_groups
 
 Tensor = torch.Tensor
@@ -511,8 +512,6 @@ class StreamingTOMMemory:
         return total
 
     def start(self, llm, prefix) -> None:
-        from vtc.streaming.llm import KeyRotation
-
         self.llm = llm
         self.rotation = KeyRotation(llm.adapter)
         self.prefix_kv = llm.forward(prefix.embeds, prefix.positions).kv
@@ -533,8 +532,6 @@ class StreamingTOMMemory:
 
     # --- storing --------------------------------------------------------------------------------------------------
     def append(self, segment) -> None:
-        from vtc.streaming.llm import concat_kv
-
         frames = segment.grid[0]
         visual = segment.num_visual
         if visual % frames:
@@ -601,29 +598,14 @@ class StreamingTOMMemory:
 
     # --- answering -----------------------------------------------------------------------------------------------
     def answer_past(self, question):
-        from vtc.streaming.memory import AnswerPast
-
         max_groups = math.ceil(self.params.retrieval_tokens / self.group_size)
         chosen = min(max_groups, self.num_groups)
         length = self.prefix_length + chosen * self.group_size
-        adapter = self.llm.adapter
-        kv_heads = int(adapter.text_model.config.num_key_value_heads)
-        captured: dict[int, Tensor] = {}
         self.last_selection: dict[int, Tensor] = {}
-        hooks = []
-        for layer, block in enumerate(adapter.decoder_layers):
-            attention = block.self_attn
-            source = getattr(attention, "q_norm", None) or attention.q_proj  # pre-RoPE queries
-
-            def capture(module, args, output, layer=layer):
-                captured[layer] = output[0].detach()
-
-            hooks.append(source.register_forward_hook(capture))
+        queries = QueryCapture(self.llm.adapter)  # removed by `release` once the question is answered
 
         def fill(layer: int) -> tuple[Tensor, Tensor]:
-            query = captured[layer]
-            q = query.reshape(query.shape[0], kv_heads, -1, self.group_keys[layer].shape[1] // kv_heads)
-            q_mean = q.float().mean(dim=(0, 2)).reshape(-1)
+            q_mean = queries.mean(layer, self.group_keys[layer].shape[1] // queries.kv_heads)
             index = select_groups(q_mean, self.group_keys[layer], max_groups)
             self.last_selection[layer] = index
             k, v = self._groups_kv(layer, index.cpu())
@@ -637,7 +619,7 @@ class StreamingTOMMemory:
             next_position,
             cache=cache,
             retrieved_tokens=chosen * self.group_size,
-            release=lambda: [h.remove() for h in hooks],
+            release=queries.remove,
         )
 
 

@@ -177,3 +177,37 @@ class KeyRotation:
         if inverse:
             sin = -sin
         return self.apply(keys, cos.to(keys.dtype), sin.to(keys.dtype))
+
+
+class QueryCapture:
+    """Every decoder layer's queries before RoPE (after Qwen3's q_norm) in the forwards run while it is installed:
+    what retrieval memories compare with their stored keys. `mean(layer)` is the retrieval query of StreamingTOM
+    and MemStream: the queries averaged over the tokens and over the query heads of each KV head -> [kv_heads * d]."""
+
+    def __init__(self, adapter: Adapter) -> None:
+        self.kv_heads = int(adapter.text_model.config.num_key_value_heads)
+        self.queries: dict[int, Tensor] = {}
+        self._hooks = []
+        for layer, block in enumerate(adapter.decoder_layers):
+            attention = block.self_attn
+            source = getattr(attention, "q_norm", None) or attention.q_proj
+
+            def capture(module, args, output, layer=layer):
+                self.queries[layer] = output[0].detach()
+
+            self._hooks.append(source.register_forward_hook(capture))
+
+    def mean(self, layer: int, head_dim: int) -> Tensor:
+        query = self.queries[layer].float()
+        return query.reshape(query.shape[0], self.kv_heads, -1, head_dim).mean(dim=(0, 2)).reshape(-1)
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+
+    def __enter__(self) -> "QueryCapture":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
