@@ -229,6 +229,15 @@ def test_memory_is_flat_for_every_streaming_method(spec, kwargs, frames):
         assert stats.stored_tokens == budget // per_frame * per_frame
     if frames >= 100 and spec != "memstream":  # once full, neither the tokens nor the bytes grow
         assert len(set(sizes[-5:])) == 1, sizes[-5:]
+    if spec == "streamingtom":  # exactly what the budget says: 5 groups of 8 tokens at 4 bits, and their keys
+        config = model.config.get_text_config()
+        head_dim = config.hidden_size // config.num_attention_heads
+        channels = config.num_key_value_heads * head_dim
+        groups, g = budget // 8, 8
+        packed = 2 * channels * (math.ceil(g / 2) + 8)  # keys and values: 4-bit codes + float32 scale and minimum
+        per_group = config.num_hidden_layers * (packed + channels * 4) + 3 * g * 8  # + group key, + positions
+        prefix = len(s.prefix_rows) * config.num_hidden_layers * 2 * channels * 4
+        assert stats.memory_bytes == prefix + groups * per_group
     if spec == "memstream":  # adaptive frames: bounded by the budget's keys and values plus one key per frame
         config = model.config.get_text_config()
         head_dim = config.hidden_size // config.num_attention_heads
