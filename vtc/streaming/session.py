@@ -191,9 +191,7 @@ class StreamSession:
         self.processor_kwargs = processor_kwargs
         self.grid_hw: tuple[int, int] | None = None
         stats = self.pipeline.vision_stats(family) if self.pipeline else set()
-        self.vision = VisionCapture(self.adapter, stats) if stats else None
-        if self.vision is not None:
-            self.vision.install()
+        self.vision = VisionCapture(self.adapter, stats) if stats else None  # installed last: nothing can fail after
         self.encoder = ChunkEncoder(self.adapter, processor, self.vision, processor_kwargs)
         self.llm = StreamLLM(self.adapter)
         self.recorder = StatsRecorder()
@@ -218,6 +216,8 @@ class StreamSession:
         self.seconds = {"encode": 0.0, "connect": 0.0, "memory": 0.0}
         self.asks: list[AskRecord] = []
         self.closed = False
+        if self.vision is not None:
+            self.vision.install()
 
     # --- rows -------------------------------------------------------------------------------------------------
     def _text_segment(self, ids: Tensor, counter: PositionCounter, lead: Tensor | None = None) -> Segment:
