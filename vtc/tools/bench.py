@@ -29,13 +29,13 @@ from typing import Any
 import torch
 from rich import box
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 import vtc
 from vtc.hf.loading import load_model
 from vtc.hf.timing import LLMTimer, peak_memory_mb, plain_prefill_seconds, synchronize
 from vtc.tools.loading import build_random_model, demo_clip
+from vtc.tools.progress import progress_bar
 
 BENCH_QUESTION = "What happens in this video?"
 
@@ -161,9 +161,7 @@ def bench(
     with console.status("warming up"), torch.no_grad():
         net(**inputs)
     measured: dict[tuple[str, float | None], list[dict[str, Any]]] = {(c[0], c[2]): [] for c in configs}
-    with Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
-    ) as progress:
+    with progress_bar(console) as progress:
         task = progress.add_task("benchmarking", total=repeats * len(configs))
         for rep in range(repeats):
             for label, spec, retention in configs:

@@ -15,12 +15,12 @@ from typing import Any
 
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 import vtc
 from vtc.media.video import synthetic_video
 from vtc.tools.loading import build_random_model
+from vtc.tools.progress import progress_bar
 
 QUESTION = "What happened so far, and which object moved?"
 
@@ -44,7 +44,7 @@ def checkpoints(frames: int, first: int = 16) -> list[int]:
 
 
 def _session_kwargs(spec: str, config: dict[str, Any], tokens_per_patch: int, params: dict[str, Any]) -> dict:
-    kwargs = {k: v for k, v in config.items()}
+    kwargs = dict(config)
     if kwargs.get("retrieval_tokens") == "256 frames":
         kept = round(config.get("retention", 1.0) * tokens_per_patch) if spec == "streamingtom" else tokens_per_patch
         kwargs["retrieval_tokens"] = 256 * max(1, kept)
@@ -96,16 +96,8 @@ def bench_stream(
         start = time.perf_counter()
         methods_spec = None if spec == "none" else spec
         with vtc.stream(model, processor, methods_spec, fps=fps, processor_kwargs=pinned, **kwargs) as session:
-            progress = Progress(
-                TextColumn(f"{spec:>14}"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TimeElapsedColumn(),
-                console=console,
-                transient=True,
-            )
-            with progress:
-                task = progress.add_task(spec, total=frames)
+            with progress_bar(console, transient=True) as progress:
+                task = progress.add_task(f"{spec:>14}", total=frames)
                 for k in range(frames):
                     # the clip loops, shifted a little on every pass so no two passes are identical
                     frame = clip[k % len(clip)]
@@ -131,7 +123,7 @@ def bench_stream(
                         )
             stats = session.stats()
         results["methods"][spec] = {
-            "config": {k: v for k, v in kwargs.items()},
+            "config": dict(kwargs),
             "rows": rows,
             "visual_tokens_fed": stats.visual_tokens_fed,
             "visual_tokens_kept": stats.visual_tokens_kept,

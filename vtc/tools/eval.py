@@ -24,12 +24,12 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from vtc.core.pipeline import Pipeline
 from vtc.lmms_eval.efficiency import records_of, summarize
 from vtc.tools.bench import params_for
+from vtc.tools.progress import progress_bar
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,7 +194,7 @@ def evaluate_grid(
     console.print(f"vtc eval: {len(cells)} cells, {len(cells) - len(todo)} already finished in {out}")
     if todo:
         lm = _build_model(model, family, num_frames, model_args or {}, out, console)
-        with _progress(console) as progress:
+        with progress_bar(console) as progress:
             bar = progress.add_task("cells", total=len(todo))
             for cell in todo:
                 progress.update(bar, description=f"{cell.task}: {cell.label} r={_retention_text(cell)}")
@@ -260,12 +260,6 @@ def _retention_text(cell: Cell) -> str:
     if cell.methods is None:
         return "1"
     return "default" if cell.retention is None else f"{cell.retention:g}"
-
-
-def _progress(console: Console) -> Progress:
-    return Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
-    )
 
 
 def _load_cell(out: Path, cell: Cell) -> dict[str, Any]:

@@ -8,13 +8,13 @@ import math
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 import vtc
 from vtc.hf.loading import load_model
 from vtc.streaming.session import open_stream_video
 from vtc.tools.loading import build_random_model, demo_clip
+from vtc.tools.progress import progress_bar
 
 DEMO_QUESTION = "What happened so far, and which object moved?"
 
@@ -79,16 +79,8 @@ def stream_video(
     rows = []
     kwargs = dict(budget_tokens=budget_tokens, fps=fps, chunk_frames=chunk_frames, **(params or {}))
     with vtc.stream(demo_model, processor, methods, retention, **kwargs) as session:
-        progress = Progress(
-            TextColumn("streaming"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            console=console,
-            transient=True,
-        )
-        with progress:
-            task = progress.add_task("frames", total=len(indices))
+        with progress_bar(console, transient=True) as progress:
+            task = progress.add_task("streaming", total=len(indices))
             pending = list(asks)
             for start in range(0, len(indices), 16):
                 for frame in source.read(indices[start : start + 16]):
