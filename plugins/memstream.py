@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from vtc.core.hookspecs import hookimpl
 from vtc.core.registry import MethodInfo
 from vtc.streaming.llm import KeyRotation, QueryCapture, concat_kv, kv_bytes, select_kv
-from vtc.streaming.memory import AnswerPast
+from vtc.streaming.memory import AnswerPast, oldest_frames_over_budget
 from vtc_kernels import frame_cosine
 
 Tensor = torch.Tensor
@@ -286,11 +286,8 @@ class MemStreamMemory:
         """vtc extension: with a budget, the oldest frames leave (ReKV keeps every frame, offloaded to CPU)."""
         if self.budget_tokens is None or self.stored_tokens <= self.budget_tokens:
             return
-        counts = torch.stack([(self.row_frame == f).sum() for f in self.frame_ids])
-        from_newest = counts.flip(0).cumsum(0)
-        keep_frames = int((from_newest <= self.budget_tokens).sum())
-        drop = len(self.frame_ids) - keep_frames
-        dropped = self.frame_ids[:drop]
+        dropped = oldest_frames_over_budget(self.row_frame, self.budget_tokens)
+        drop = int(dropped.numel())
         keep_rows = torch.nonzero(~torch.isin(self.row_frame, dropped)).flatten()
         self.kv = select_kv(self.kv, keep_rows)
         self.row_frame = self.row_frame[keep_rows]
@@ -334,7 +331,7 @@ class MemStreamMemory:
             self.last_scores["clip"] = self._clip_scores(question.text)
             scores.append(self.last_scores["clip"])
         fused = reciprocal_rank_fusion(scores, self.params.k_rrf)
-        counts = torch.stack([(self.row_frame == f).sum() for f in self.frame_ids])
+        counts = torch.bincount(torch.searchsorted(self.frame_ids, self.row_frame), minlength=len(self.frame_ids))
         chosen = take_frames(fused, counts, self.params.retrieval_tokens)
         self.last_selection = self.frame_ids[chosen]
         rows = torch.nonzero(torch.isin(self.row_frame, self.last_selection)).flatten()

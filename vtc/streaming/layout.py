@@ -59,10 +59,10 @@ class PositionCounter:
         self.next += count
         return rows[None].expand(3 if self.mrope else 1, -1).clone()
 
-    def video(self, kept_grid_index: Tensor, grid: tuple[int, int, int], first_group: int, model_positions=None):
+    def video(self, kept_grid_index: Tensor, grid: tuple[int, int, int], first_group: int):
         """Positions [P, n] of a chunk's video tokens: `kept_grid_index` [n] = flat (t, h, w) cells on the chunk's
         grid of the tokens kept (all of them before compression); `first_group` = temporal patches before the
-        chunk. `model_positions` [3, L]: the model's own positions of the chunk's whole prompt (Qwen3-VL)."""
+        chunk. Qwen3-VL chunks are positioned with `shift` instead."""
         t, h, w = grid
         if not self.mrope:
             return self._running(kept_grid_index, t * h * w)

@@ -45,7 +45,8 @@ def select_kv(kv: KV, index: Tensor) -> KV:
 class Forward:
     logits: Tensor  # [V] of the last row
     kv: KV  # per layer, the keys/values of the rows just run (not the past)
-    hidden: Tensor | None = None  # [L, D] last hidden states (when asked)
+    hidden: Tensor | None = None  # [L, D] last hidden states
+    cache: KV | None = None  # per layer, the past and these rows together (the tensors the forward built)
 
 
 class StreamLLM:
@@ -102,8 +103,9 @@ class StreamLLM:
         )
         hidden = out.last_hidden_state[0]
         logits = self.lm_head()(hidden[-1:]).float()[0]
-        new = [(layer.keys[:, :, before:], layer.values[:, :, before:]) for layer in out.past_key_values.layers]
-        return Forward(logits, new, hidden)
+        whole = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+        new = [(k[:, :, before:], v[:, :, before:]) for k, v in whole]
+        return Forward(logits, new, hidden, whole)
 
     @torch.no_grad()
     def greedy(

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
-from vtc.streaming.llm import KV, StreamLLM, cache_length, concat_kv, kv_bytes, select_kv
+from vtc.streaming.llm import KV, StreamLLM, cache_length, kv_bytes, select_kv
 
 Tensor = torch.Tensor
 
@@ -112,6 +112,15 @@ def check_frame_fits(budget: int | None, segment: Segment, what: str = "visual t
         )
 
 
+def oldest_frames_over_budget(frame_of_token: Tensor, budget: int) -> Tensor:
+    """The oldest frames to drop, whole, so that the tokens of the remaining frames fit in `budget`
+    (`frame_of_token`: the frame of every stored visual token)."""
+    frames, counts = torch.unique(frame_of_token, return_counts=True)  # ascending: oldest first
+    kept_from_newest = counts.flip(0).cumsum(0)
+    keep = int((kept_from_newest <= budget).sum())
+    return frames[: len(frames) - keep]
+
+
 class WindowMemory:
     """Full-precision KV of every kept token; the oldest frames leave once the budget is exceeded."""
 
@@ -136,7 +145,7 @@ class WindowMemory:
         out = self.llm.forward(
             segment.embeds, segment.positions, self.kv, deepstack=segment.deepstack, visual=segment.visual
         )
-        self.kv = concat_kv(self.kv, out.kv)
+        self.kv = out.cache  # the past and the chunk, already concatenated by the forward
         self.frame = torch.cat([self.frame, segment.frame.cpu()])
         self.visual = torch.cat([self.visual, segment.visual.cpu()])
         self._evict()
@@ -145,21 +154,12 @@ class WindowMemory:
         budget = self.config.budget_tokens
         if budget is None or self.stored_tokens <= budget:
             return
-        # oldest frames first, whole: count visual rows per frame, drop until the rest fits
-        frames = self.frame[self.visual]
-        ids, counts = torch.unique(frames, return_counts=True)
-        remaining = int(counts.sum())
-        drop = []
-        for frame, count in zip(ids.tolist(), counts.tolist()):
-            if remaining <= budget:
-                break
-            drop.append(frame)
-            remaining -= count
-        keep = ~torch.isin(self.frame, torch.tensor(drop, dtype=torch.long))
+        drop = oldest_frames_over_budget(self.frame[self.visual], budget)
+        keep = ~torch.isin(self.frame, drop)
         index = torch.nonzero(keep).flatten()
         self.kv = select_kv(self.kv, index)
         self.frame, self.visual = self.frame[keep], self.visual[keep]
-        self.evicted_frames += len(drop)
+        self.evicted_frames += int(drop.numel())
 
     def answer_past(self, question: Segment) -> AnswerPast:
         return AnswerPast(self.kv, retrieved_tokens=self.stored_tokens)

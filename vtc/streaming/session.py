@@ -23,9 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from vtc.core.engine import connect_video, grid_cells
+from vtc.core.engine import connect_video, grid_cells, video_tokens
 from vtc.core.pipeline import Pipeline
-from vtc.core.stats import StatsRecorder
 from vtc.core.tokens import Context
 from vtc.hf.adapters import resolve_adapter
 from vtc.hf.patching import PATCHED_MODELS
@@ -194,7 +193,6 @@ class StreamSession:
         self.vision = VisionCapture(self.adapter, stats) if stats else None  # installed last: nothing can fail after
         self.encoder = ChunkEncoder(self.adapter, processor, self.vision, processor_kwargs)
         self.llm = StreamLLM(self.adapter)
-        self.recorder = StatsRecorder()
         self.ctx = Context(
             retention=self.pipeline.retention if self.pipeline else None,
             family=family,
@@ -307,13 +305,11 @@ class StreamSession:
                 chunk.embeds[video_rows],
                 chunk.grid,
                 self.ctx,
-                self.recorder,
+                None,
                 extras=extras,
                 seq_index=video_rows,
             )
         else:
-            from vtc.core.engine import video_tokens
-
             tokens_in = out = video_tokens(
                 chunk.embeds[video_rows], chunk.grid, mrope=self.adapter.mrope, extras=extras, seq_index=video_rows
             )
