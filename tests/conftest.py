@@ -15,6 +15,10 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("VTC_DISABLE_PLUGIN_AUTOLOAD", "1")
 warnings.filterwarnings("ignore", message=".*cap_pixels_per_frame.*")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Without a GPU the Triton kernels run in Triton's CPU interpreter, which must be switched on before Triton is
+# first imported (it decorates its own library functions at import).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import vtc  # noqa: E402
 from vtc.testing.fixtures import (  # noqa: E402,F401  (re-exported for the test modules)
