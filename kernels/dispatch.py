@@ -162,9 +162,15 @@ def trace() -> Iterator[list[tuple[str, str]]]:
 
 
 def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The first tensor among the arguments, looking inside dataclasses (e.g. `QuantizedGroups`): its device
+    decides whether "auto" may pick the Triton kernel."""
     for value in list(args) + list(kwargs.values()):
         if isinstance(value, torch.Tensor):
             return value
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            inner = _first_tensor(tuple(getattr(value, f.name) for f in dataclasses.fields(value)), {})
+            if inner is not None:
+                return inner
     return None
 
 

@@ -32,6 +32,19 @@ before x̂ is cast back to x's dtype; the cast adds at most half an ulp of x̂ i
 A constant group (max == min) is reconstructed exactly (q = 0, x̂ = min). The same order of operations as the
 official code: subtract, divide, clamp to [0, 2^bits - 1], round half to even (clamping first or rounding first
 give the same integer, the bounds being integers).
+
+`quantize_groups` and `dequantize_groups` are kernel ops (`vtc_kernels.dispatch`; Triton kernels in
+`vtc_kernels.triton.quant`, one program per (leading index, group) and tile of channels). Contract of the
+kernels against this reference, for finite inputs:
+  quantize_groups    exact: packed codes, scale and minimum equal element by element, for every scale dtype
+                     (the kernel repeats the reference's operations: IEEE division, clamp, round half to even,
+                     and with a bfloat16 / float16 scale one rounding to that dtype after every op);
+  dequantize_groups  allclose, float32 (rtol 1e-6, atol 1e-6), bfloat16 (rtol 8e-3, atol 1e-5), float16
+                     (rtol 1e-3, atol 1e-6): the kernel rounds q * scale and + min separately like the
+                     reference (no fused multiply-add), so it is exact wherever the compiler keeps the two
+                     roundings (the tests see no difference); the bounds allow one ulp of float32 on values of
+                     magnitude up to ~8, and one ulp of the output dtype after the final cast.
+NaN or infinite inputs are outside the contract (the reference casts NaN codes to uint8, which is undefined).
 """
 
 from __future__ import annotations
@@ -40,6 +53,8 @@ import dataclasses
 from typing import Sequence
 
 import torch
+
+from vtc_kernels.dispatch import Tolerance, kernel_op
 
 Tensor = torch.Tensor
 
@@ -169,6 +184,11 @@ def concat_groups(parts: Sequence[QuantizedGroups]) -> QuantizedGroups:
     )
 
 
+@kernel_op(
+    "quantize_groups",
+    tolerance=Tolerance.exact("codes, scales and minima equal element by element (finite inputs)"),
+    triton="vtc_kernels.triton.quant:quantize_groups",
+)
 def quantize_groups(
     x: Tensor, bits: int = 4, group_size: int = 50, scale_dtype: torch.dtype | None = torch.float32
 ) -> QuantizedGroups:
@@ -219,8 +239,19 @@ def unpack_groups(q: QuantizedGroups) -> Tensor:
     return codes.reshape(*lead, q.num_tokens, c)
 
 
+@kernel_op(
+    "dequantize_groups",
+    tolerance=Tolerance.allclose(
+        {torch.float32: (1e-6, 1e-6), torch.bfloat16: (8e-3, 1e-5), torch.float16: (1e-3, 1e-6)},
+        note="q * scale and + min rounded separately as the reference (no FMA); exact in the tests",
+    ),
+    triton="vtc_kernels.triton.quant:dequantize_groups",
+)
 def dequantize_groups(q: QuantizedGroups) -> Tensor:
-    """x̂ = q * scale + min, [..., T, C] in the original dtype (computed in the scale's dtype, then cast)."""
+    """x̂ = q * scale + min, [..., T, C] in the original dtype (computed in the scale's dtype, then cast).
+
+    Tolerance contract (Triton vs this reference): allclose, fp32 (rtol 1e-6, atol 1e-6), bf16 (8e-3, 1e-5),
+    fp16 (1e-3, 1e-6); the kernel rounds the product and the sum separately (no FMA), as torch does."""
     codes = unpack_groups(q)
     c = codes.shape[-1]
     codes = codes.reshape(*codes.shape[:-2], q.num_groups, q.group_size, c).to(q.scale.dtype)

@@ -23,6 +23,7 @@ import torch
 
 from vtc.core.hookspecs import hookimpl
 from vtc.core.registry import MethodInfo
+from vtc_kernels.diverse import cosine_distance_matrix, max_min_select
 
 Tensor = torch.Tensor
 
@@ -49,38 +50,6 @@ class DivPruneParams:
 def kept_count(num_tokens: int, ratio: float) -> int:
     """`int(round(ratio * L))` (Python rounds half to even), at least 1 and at most L."""
     return max(1, min(num_tokens, round(ratio * num_tokens)))
-
-
-def cosine_distance_matrix(x: Tensor) -> Tensor:
-    """[L, D] -> [L, L] matrix of 1 - cos(x_i, x_j), in x's dtype: rows divided by their norm, one matmul."""
-    unit = x / x.norm(dim=1, keepdim=True)
-    return 1.0 - unit @ unit.t()
-
-
-def max_min_select(dist: Tensor, count: int) -> Tensor:
-    """Greedy Max-Min diversity on a distance matrix [L, L]: `count` indices in the order they are picked.
-
-    Pick 1: argmax over columns j of the second-smallest dist[:, j] (the smallest is the self-distance).
-    Pick i > 1: argmax over the tokens not yet picked of min over picked s of dist[s, j]. The running minimum
-    equals the official `torch.min(dist[picked], dim=0)` exactly (min does not round)."""
-    length = dist.shape[0]
-    count = max(0, min(int(count), length))
-    picks = torch.empty(count, dtype=torch.long, device=dist.device)
-    if count == 0:
-        return picks
-    if length == 1:
-        return torch.zeros(1, dtype=torch.long, device=dist.device)
-    picked = torch.zeros(length, dtype=torch.bool, device=dist.device)
-    first = torch.argmax(torch.topk(dist, 2, dim=0, largest=False).values[1])
-    picks[0] = first
-    picked[first] = True
-    nearest = dist[first].clone()  # min distance of every token to the picked set
-    for i in range(1, count):
-        pick = torch.argmax(nearest.masked_fill(picked, float("-inf")))
-        picks[i] = pick
-        picked[pick] = True
-        nearest = torch.minimum(nearest, dist[pick])
-    return picks
 
 
 def divprune_keep(embeds: Tensor, count: int) -> Tensor:

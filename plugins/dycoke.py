@@ -118,9 +118,10 @@ def ttm_frame_counts(num_frames: int, tokens_per_frame: int, k: float, drop_unpa
 
 
 def _pair_similarity(a: Tensor, b: Tensor, pa: Tensor, pb: Tensor, normalize: bool) -> Tensor:
-    """Cosine between two frames at each spatial patch: a, b [N, D], presence pa, pb [N]. The official first
-    pass L2-normalises before `cosine_similarity`, the second does not (kept for bit-faithfulness). A patch
-    only the second frame has ranks as least similar (-inf); one it lacks can never be kept (+inf)."""
+    """Cosine between two frames at each spatial patch: a, b [..., N, D] (one frame pair, or a batch of pairs),
+    presence pa, pb [..., N]. The official first pass L2-normalises before `cosine_similarity`, the second does
+    not (kept for bit-faithfulness). A patch only the second frame has ranks as least similar (-inf); one it
+    lacks can never be kept (+inf)."""
     sim = frame_cosine(a, b, normalize="eps" if normalize else "none", formula="torch")
     sim = sim.masked_fill(pb & ~pa, float("-inf"))
     return sim.masked_fill(~pb, float("inf"))
@@ -155,10 +156,9 @@ def ttm_keep(
 
     # first pass: pairs (2p, 2p+1); frame 2p+1 keeps its least-similar tokens
     pairs = num_frames // 2
-    sims = [
-        _pair_similarity(x[2 * p], x[2 * p + 1], present[2 * p], present[2 * p + 1], normalize=True)
-        for p in range(pairs)
-    ]
+    # every pair in one call ([pairs, N]); the cosine is row-wise, so each row equals the per-pair call's
+    even, odd = slice(0, 2 * pairs, 2), slice(1, 2 * pairs, 2)
+    sims = _pair_similarity(x[even], x[odd], present[even], present[odd], normalize=True)
     for p in range(pairs):
         # official (latest) `similarities[i // 2]` with i = 2p: the pair's own; the first commit's `(i - 2) // 2`
         # took pair p - 1, and Python's -1 (the last pair) for p = 0
@@ -167,9 +167,11 @@ def ttm_keep(
     if num_frames % 2 and drop_unpaired_frame:
         out[-1] = patches[:0]
     # second pass: groups of four, frame i+2 keeps its tokens least similar to frame i; bound F - 4 as official
-    for i in range(0, num_frames - 4, 4):
-        sim = _pair_similarity(x[i], x[i + 2], present[i], present[i + 2], normalize=False)
-        out[i + 2] = least_similar(sim, i + 2)
+    if num_frames > 4:
+        first, third = slice(0, num_frames - 4, 4), slice(2, num_frames - 2, 4)
+        second = _pair_similarity(x[first], x[third], present[first], present[third], normalize=False)
+        for j, i in enumerate(range(0, num_frames - 4, 4)):
+            out[i + 2] = least_similar(second[j], i + 2)
     return out
 
 

@@ -17,7 +17,7 @@ import torch
 
 from vtc.core.hookspecs import hookimpl
 from vtc.core.registry import MethodInfo
-from vtc_kernels import topk_mask
+from vtc_kernels.select import segmented_topk
 
 
 @dataclasses.dataclass
@@ -40,9 +40,13 @@ def fastv_keep(scores: torch.Tensor, visual: torch.Tensor, valid: torch.Tensor, 
     """Keep mask [B, n]: every non-visual token, plus the top round(N_vis * (1 - ratio)) visual tokens of each
     row by `scores` [B, n] (head-averaged attention of the last prompt token)."""
     keep = valid & ~visual
-    for b in range(scores.shape[0]):
-        candidates = visual[b] & valid[b]
-        keep[b] |= topk_mask(scores[b].float(), kept_count(int(candidates.sum()), ratio), candidates)
+    candidates = visual & valid
+    pool = torch.nonzero(candidates.flatten()).flatten()  # row after row: one segment per batch row
+    per_row = candidates.sum(dim=1)
+    offsets = torch.cat([per_row.new_zeros(1), torch.cumsum(per_row, 0)])
+    budgets = torch.tensor([kept_count(n, ratio) for n in per_row.tolist()])
+    kept = segmented_topk(scores.float().flatten()[pool.to(scores.device)], offsets, budgets)
+    keep.view(-1)[pool[kept.to(pool.device)]] = True
     return keep
 
 

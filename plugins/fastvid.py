@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 
 import torch
 
@@ -42,6 +43,8 @@ from vtc.core.hookspecs import hookimpl
 from vtc.core.registry import MethodInfo
 from vtc.core.vision_stats import VisionStat
 from vtc_kernels import adjacent_frame_similarity, dpc_knn_scores, reconcile_count
+from vtc_kernels.matching import best_match
+from vtc_kernels.merge import merge_into_anchors
 
 Tensor = torch.Tensor
 
@@ -101,9 +104,10 @@ def normalize_rows(x: Tensor) -> Tensor:
     return x / x.norm(dim=-1, keepdim=True)
 
 
-def adjacent_similarity(normalized: Tensor) -> Tensor:
-    """Cosine similarity of consecutive rows of L2-normalised features [F, D] -> [F - 1]."""
-    return adjacent_frame_similarity(normalized, formula="dot")
+def adjacent_similarity(normalized: Tensor, frame_offsets: Tensor | None = None) -> Tensor:
+    """Cosine similarity of consecutive rows of L2-normalised features [F, D] -> [F - 1]; with `frame_offsets`
+    ([S + 1] bounds of consecutive segments) only pairs inside a segment, segment after segment."""
+    return adjacent_frame_similarity(normalized, formula="dot", frame_offsets=frame_offsets)
 
 
 def sizes_from_cuts(cuts: list[int], length: int) -> list[int]:
@@ -239,14 +243,11 @@ def dtm_merge(anchors: Tensor, members: Tensor, beta: float) -> tuple[Tensor, Te
 
     Each member joins its most cosine-similar anchor; anchor <- w anchor + (1 - w) mean(members),
     w = clamp(1 / (count + 1), min=beta), mean over max(count, 1). Returns (new [a, D], assign, counts, w)."""
-    sim = normalize_rows(members) @ normalize_rows(anchors).T
-    assign = sim.argmax(dim=1) if members.shape[0] else torch.zeros(0, dtype=torch.long, device=members.device)
-    one_hot = torch.zeros(members.shape[0], anchors.shape[0], dtype=members.dtype, device=members.device)
-    one_hot[torch.arange(members.shape[0], device=members.device), assign] = 1
-    counts = one_hot.sum(dim=0).unsqueeze(-1)
+    assign = best_match(members, anchors, normalize="exact")[0]  # normalize_rows, then argmax
+    counts = torch.bincount(assign, minlength=anchors.shape[0]).to(members.dtype)  # what one_hot.sum(0) gives
     weight = (1 / (counts + 1)).clamp(min=beta)
-    aggregated = (one_hot.T @ members) / counts.clamp(min=1)
-    return weight * anchors + (1 - weight) * aggregated, assign, counts.squeeze(-1), weight.squeeze(-1)
+    merged = merge_into_anchors(anchors, members, assign, rule="blend", beta=beta, summation="one_hot")
+    return merged, assign, counts, weight
 
 
 def make_merge(embeds: Tensor, anchors: Tensor, members: Tensor, beta: float) -> Merge:
@@ -389,6 +390,11 @@ def fastvid_qwen25(
 ) -> FastVIDPlan:
     """The Qwen2.5-VL version on one video (same inputs as `fastvid_llava`)."""
     normalized = normalize_rows(global_features)
+    sizes = dyseg(normalized, c, tau)
+    bounds = [0] + list(itertools.accumulate(sizes))
+    # every segment's similarities in one call: segment s (first frame f) has its length - 1 pairs at f - s
+    seg_sim = adjacent_similarity(normalized, torch.tensor(bounds, device=normalized.device))
+    first_pair = {offset: offset - s for s, offset in enumerate(bounds[:-1])}
 
     def quotas(offset: int, seg_frames: list[Tensor]) -> tuple[list[int], list[int]]:
         length = len(seg_frames)
@@ -396,11 +402,11 @@ def fastvid_qwen25(
         if length == 1:
             sub_sizes = [1]
         else:
-            sim = adjacent_similarity(normalized[offset : offset + length])
+            sim = seg_sim[first_pair[offset] : first_pair[offset] + length - 1]
             sub_sizes = sizes_from_cuts(torch.nonzero(sim < ignore).flatten().tolist(), length)
         return qwen25_segment_quotas([int(n * r) for n in tokens], tokens, sub_sizes, d, p)
 
-    return sequential_stprune(embeds, frames, salience, dyseg(normalized, c, tau), quotas, beta, k, generator)
+    return sequential_stprune(embeds, frames, salience, sizes, quotas, beta, k, generator)
 
 
 def fastvid_llava_video(

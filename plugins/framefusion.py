@@ -26,7 +26,8 @@ import torch
 
 from vtc.core.hookspecs import hookimpl
 from vtc.core.registry import MethodInfo
-from vtc_kernels import chain_anchors, chain_order, chain_similarity, topk_indices, topk_mask
+from vtc_kernels import chain_anchors, chain_order, chain_similarity, topk_indices
+from vtc_kernels.select import segmented_topk
 from vtc_kernels.similarity import NO_PREDECESSOR
 
 # prompt rows whose attention measures importance: 4 on Qwen-VL, 1 on LLaVA (the official interface code)
@@ -200,16 +201,23 @@ class FrameFusion:
         layout = state.layout
         importance = state.attention().mean(dim=(1, 2))  # [B, keys]: mean over heads and query rows
         keep = layout.valid.clone()
-        for b in due:
+        visual = layout.visual[due] & layout.valid[due]  # [D, n]: one top-k segment per due row
+        keep[due] = layout.valid[due] & ~visual
+        budgets = []
+        for b, count in zip(due, visual.sum(dim=1).tolist()):
             row = rows[b]
-            visual = layout.visual[b] & layout.valid[b]
-            count = int(visual.sum())
             ratio = self._pruning_ratio(row, state)
             kept = round(count * (1 - ratio))
-            keep[b] = (layout.valid[b] & ~visual) | topk_mask(importance[b], kept, visual)
+            budgets.append(kept)
             row.finish_pruning = True
             row.pruned_at = state.layer
             row.final_tokens = kept
+        pool = torch.nonzero(visual.flatten()).flatten()
+        offsets = torch.cat([pool.new_zeros(1), torch.cumsum(visual.sum(dim=1), 0)])
+        scores = importance[due].flatten()[pool.to(importance.device)]
+        chosen = pool[segmented_topk(scores, offsets, torch.tensor(budgets)).to(pool.device)]
+        width = visual.shape[1]
+        keep[torch.tensor(due, device=keep.device)[chosen // width], chosen % width] = True
         state.keep(keep)
 
 

@@ -30,6 +30,7 @@ from vtc.core.hookspecs import hookimpl
 from vtc.core.registry import MethodInfo
 from vtc.core.vision_stats import VisionStat
 from vtc_kernels import adjacent_frame_similarity, assign_to_centers, dpc_knn_centers
+from vtc_kernels.matching import best_match
 
 Tensor = torch.Tensor
 
@@ -87,13 +88,21 @@ def frame_similarity(x: Tensor) -> Tensor:
 def static_window_counts(sim: Tensor, tau: float) -> Tensor:
     """[F, F] tokens saved by collapsing window [s, e] (e > s): the number of positions whose similarity exceeds
     `tau` at every step s..e-1, times e - s (the official `pruned_static_count`). Zero where e <= s."""
-    frames = sim.shape[0] + 1
+    steps = sim.shape[0]
+    frames = steps + 1
     counts = torch.zeros(frames, frames, dtype=torch.float32, device=sim.device)
-    above = (sim > tau).long()
-    for s in range(frames - 1):
-        static = torch.cumprod(above[s:], dim=0).sum(dim=-1)  # window [s, s + 1 + j] for j = 0..
-        lengths = torch.arange(1, frames - s, device=sim.device)
-        counts[s, s + 1 :] = (static * lengths).float()
+    if steps == 0:
+        return counts
+    at = torch.arange(steps, device=sim.device)[:, None]
+    # run[t, p]: for how many steps from t on position p stays above tau (its next step at or below, minus t),
+    # so position p is static over window [s, s + L] exactly when run[s, p] >= L: no loop over start frames
+    below = torch.where(sim > tau, steps, at)
+    run = below.flip(0).cummin(dim=0).values.flip(0) - at
+    runs = torch.zeros(steps, frames + 1, dtype=torch.long, device=sim.device)
+    runs.scatter_add_(1, run, torch.ones_like(run))
+    static = runs.flip(1).cumsum(dim=1).flip(1)  # static[s, L]: positions with run[s] >= L
+    start, end = torch.triu_indices(frames, frames, offset=1, device=sim.device)
+    counts[start, end] = (static[start, end - start] * (end - start)).float()
     return counts
 
 
@@ -446,9 +455,8 @@ def inner_merge(hidden: Tensor, scores: Tensor, slots: Tensor, num_keep: int) ->
     out = hidden.clone()
     if rest.numel() == 0 or top.numel() == 0:
         return out, top, rest
-    a, b = hidden[rest], hidden[top]
-    sim = (a @ b.T) / (torch.norm(a, dim=-1, keepdim=True) * torch.norm(b, dim=-1, keepdim=True).T)
-    target = top[torch.max(sim, dim=-1).indices]
+    # (a @ b^T) / (|a| |b|^T), first kept slot on ties (the official torch.max(dim=-1).indices)
+    target = top[best_match(hidden[rest], hidden[top], normalize="none", formula="ratio")[0]]
     # the sources are never updated, so the k-th source of every target can be folded in one step
     order = torch.sort(target, stable=True).indices
     sorted_target = target[order]

@@ -38,7 +38,6 @@ import math
 import time
 
 import torch
-import torch.nn.functional as F
 
 from vtc.core.hookspecs import hookimpl
 from vtc.core.registry import MethodInfo
@@ -46,6 +45,8 @@ from vtc.core.vision_stats import VisionStat
 from vtc.streaming.llm import concat_kv, kv_bytes
 from vtc.streaming.memory import AnswerPast
 from vtc_kernels import frame_cosine, topk_mask
+from vtc_kernels.matching import best_match
+from vtc_kernels.merge import merge_into_anchors
 
 Tensor = torch.Tensor
 
@@ -227,12 +228,6 @@ def merge_count(num_tokens: int, budget: int) -> int:
     return min(num_tokens - budget, math.ceil(num_tokens / 2))
 
 
-def pairwise_cosine(a: Tensor, b: Tensor) -> Tensor:
-    """[na, nb] cosine of every row of a with every row of b, in the compute dtype (F.normalize, eps 1e-12)."""
-    dtype = compute_dtype(a.dtype)
-    return F.normalize(a.to(dtype), dim=-1) @ F.normalize(b.to(dtype), dim=-1).T
-
-
 def earliest_order(tokens: TokenSet) -> Tensor:
     """Row indices sorted by (first_frame, patch, row): "earliest member" order, without ties."""
     perm = torch.sort(tokens.patch, stable=True).indices
@@ -256,16 +251,19 @@ def merge_round(tokens: TokenSet, r: int) -> TokenSet:
     is_source = torch.zeros(n, dtype=torch.bool, device=device)
     is_source[sources] = True
     pool = torch.nonzero(~is_source).flatten()
-    target = pool[pairwise_cosine(tokens.embeds[sources], tokens.embeds[pool]).argmax(dim=-1)]
-
     dtype = compute_dtype(tokens.embeds.dtype)
-    w = tokens.weight.to(dtype)
-    total = tokens.embeds.to(dtype) * w[:, None]
-    total.index_add_(0, target, total[sources])
-    mass = w.clone().index_add_(0, target, w[sources])
-    touched = torch.unique(target)
+    # cosine in the compute dtype (F.normalize, eps 1e-12), ties to the first row (argmax)
+    slot = best_match(tokens.embeds[sources].to(dtype), tokens.embeds[pool].to(dtype), normalize="eps")[0]
+    target = pool[slot]
     embeds = tokens.embeds.clone()
-    embeds[touched] = (total[touched] / mass[touched, None]).to(tokens.embeds.dtype)
+    embeds[pool] = merge_into_anchors(
+        tokens.embeds[pool],
+        tokens.embeds[sources],
+        slot,
+        rule="weighted_mean",
+        source_weight=tokens.weight[sources],
+        anchor_weight=tokens.weight[pool],
+    )
 
     weight = tokens.weight.clone().index_add_(0, target, tokens.weight[sources])
     priority = tokens.priority.scatter_reduce(0, target, tokens.priority[sources], "amax", include_self=True)

@@ -34,7 +34,8 @@ import torch.nn.functional as F
 
 from vtc.core.hookspecs import hookimpl
 from vtc.core.registry import MethodInfo
-from vtc_kernels import dpc_knn_centers, reconcile_count, topk_indices
+from vtc_kernels import dpc_knn_centers, reconcile_count
+from vtc_kernels.select import segmented_topk
 
 Tensor = torch.Tensor
 
@@ -467,17 +468,16 @@ def stage2_keep(
     total = slots.numel()
     s_scores = scores[slots]
     win, stat, frm = window[slots], static[slots], frame[slots]
-    for w in torch.unique(win).tolist():
-        in_window = win == w
-        groups = [in_window & (stat == 1)]
-        dyn = in_window & (stat == 0)
-        groups += [dyn & (frm == f) for f in torch.unique(frm[dyn]).tolist()]
-        for group in groups:
-            members = torch.nonzero(group).flatten()
-            if members.numel() == 0:
-                continue
-            quota = group_quota(members.numel(), alpha, budget, total)
-            keep[members[topk_indices(s_scores[members], quota)]] = True
+    pool = torch.nonzero((stat == 1) | (stat == 0)).flatten()
+    if pool.numel():
+        # one group per window's static tokens and per (window, frame) of its dynamic tokens; members in slot order
+        keys = torch.stack([win[pool], stat[pool], torch.where(stat[pool] == 1, 0, frm[pool])], dim=1)
+        group = torch.unique(keys, dim=0, return_inverse=True)[1]
+        order = pool[torch.sort(group, stable=True).indices]
+        sizes = torch.bincount(group)
+        offsets = torch.cat([sizes.new_zeros(1), torch.cumsum(sizes, 0)])
+        quotas = torch.tensor([group_quota(n, alpha, budget, total) for n in sizes.tolist()])
+        keep[order[segmented_topk(s_scores[order], offsets, quotas)]] = True
     if fixed and budget is not None:
         keep = reconcile_count(keep, s_scores, min(budget, total))
     return keep

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from vtc.core.hookspecs import hookimpl
 from vtc.core.registry import MethodInfo
 from vtc.core.tokens import frame_groups
-from vtc_kernels import reconcile_count, topk_indices
+from vtc_kernels import reconcile_count
+from vtc_kernels.select import segmented_topk
 
 Tensor = torch.Tensor
 
@@ -139,8 +140,10 @@ def vidcom2_plan(
     budgets = frame_budgets(frame_scales(uniqueness, ratio, temperature), counts).tolist()
     scores = video_score + frame_score
     keep = torch.zeros(embeds.shape[0], dtype=torch.bool, device=embeds.device)
-    for idx, k in zip(groups, budgets):
-        keep[idx[topk_indices(scores[idx], k, largest=False)]] = True
+    if groups:  # one segment per frame, each in its tokens' order
+        order = torch.cat(groups)
+        offsets = torch.tensor([0, *counts], device=order.device).cumsum(0)
+        keep[order[segmented_topk(scores[order], offsets, torch.tensor(budgets), largest=False)]] = True
     if target is not None:
         keep = reconcile_count(keep, -scores, target)
     return VidCom2Plan(torch.nonzero(keep).flatten(), scores, groups, budgets)

@@ -29,6 +29,8 @@ from vtc.core.geometry import FamilyGeometry, default_geometry
 from vtc.core.hookspecs import hookimpl
 from vtc.core.registry import MethodInfo
 from vtc.core.vision_stats import VisionStat
+from vtc_kernels.matching import best_match
+from vtc_kernels.merge import merge_into_anchors
 
 Tensor = torch.Tensor
 
@@ -104,25 +106,18 @@ def select_frame(attention: Tensor, metric: Tensor, dominant: int, contextual: i
     if contextual == 0 or remaining.numel() == 0:
         return FramePlan(dom, empty, empty, empty)
     metric = metric[remaining]
-    metric = metric / metric.norm(dim=-1, keepdim=True)
     step = max(1, remaining.numel() // contextual)
     target_pos = torch.arange(0, remaining.numel(), step, device=device)[:contextual]
     is_target = torch.zeros(remaining.numel(), dtype=torch.bool, device=device)
     is_target[target_pos] = True
     member_pos = torch.nonzero(~is_target).flatten()
-    similarity = metric[member_pos] @ metric[target_pos].T
-    assign = similarity.argmax(dim=1) if member_pos.numel() else member_pos
+    assign = best_match(metric[member_pos], metric[target_pos], normalize="exact")[0]  # x / ||x||, then argmax
     return FramePlan(dom, remaining[target_pos], remaining[member_pos], assign)
 
 
 def contextual_features(targets: Tensor, members: Tensor, assign: Tensor) -> Tensor:
     """h_t + mean of the members assigned to t (an empty cluster adds 0): targets [c, ...], members [m, ...]."""
-    flat_members = members.flatten(1)
-    one_hot = torch.zeros(members.shape[0], targets.shape[0], dtype=members.dtype, device=members.device)
-    one_hot[torch.arange(members.shape[0], device=members.device), assign] = 1
-    counts = one_hot.sum(dim=0).clamp(min=1).unsqueeze(-1)
-    aggregated = (one_hot.T @ flat_members) / counts
-    return targets + aggregated.reshape(targets.shape)
+    return merge_into_anchors(targets, members, assign, rule="add_mean", summation="one_hot")  # the port's bmm
 
 
 # --- attention maps on the LLM token grid -------------------------------------------------------------------------

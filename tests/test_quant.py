@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vtc_kernels import QuantizedGroups, concat_groups, dequantize_groups, quantize_groups
+from vtc_kernels import QuantizedGroups, dequantize_groups, quantize_groups
+from vtc_kernels.quant import concat_groups
 from vtc_kernels.quant import unpack_groups
 
 

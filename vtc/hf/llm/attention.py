@@ -2,7 +2,8 @@
 
 It does two things the stock SDPA path cannot:
   * hand a plugin the attention probabilities of a few query rows (e.g. FastV's last prompt token) by
-    computing just those rows explicitly, while the layer's output still comes from SDPA;
+    computing just those rows explicitly (`vtc_kernels.attention.attention_rows`), while the layer's output
+    still comes from SDPA;
   * build the right mask once a layer sees a shorter (pruned/merged) sequence than the mask transformers
     prepared for the full prompt, during prefill and later decode steps (the KV cache is then ragged
     across layers).
@@ -54,30 +55,3 @@ def vtc_attention(module, query, key, value, attention_mask, **kwargs):
     if runtime is None:
         return original_attention("sdpa")(module, query, key, value, attention_mask, **kwargs)
     return runtime.attention(module, query, key, value, attention_mask, **kwargs)
-
-
-def attention_rows(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    rows: torch.Tensor,
-    key_visible: torch.Tensor,
-    scaling: float,
-    upcast: bool,
-) -> torch.Tensor:
-    """Attention probabilities of selected query rows.
-
-    query [B, H, q, d], key [B, Hkv, k, d] (GQA keys are repeated), rows [B, r] query indices,
-    key_visible [B, r, k] bool: which keys each selected row may attend to (causal + padding).
-    Returns [B, H, r, k]. `upcast` computes the softmax in float32 and casts back (what transformers'
-    eager attention does); otherwise the softmax runs in the model dtype.
-    """
-    batch, heads, _, dim = query.shape
-    n_rep = heads // key.shape[1]
-    if n_rep > 1:
-        key = key.repeat_interleave(n_rep, dim=1)
-    q = torch.gather(query, 2, rows[:, None, :, None].expand(batch, heads, rows.shape[1], dim))
-    logits = (q @ key.transpose(-1, -2)) * scaling
-    logits = logits.masked_fill(~key_visible[:, None], float("-inf"))
-    if upcast:
-        return torch.softmax(logits, dim=-1, dtype=torch.float32).to(query.dtype)
-    return torch.softmax(logits, dim=-1)

@@ -28,6 +28,7 @@ import torch
 from vtc.core.contract import TokenLayout
 from vtc.hf.llm import attention as attn_mod
 from vtc_kernels import mean_into_anchors
+from vtc_kernels.attention import attention_rows
 
 Tensor = torch.Tensor
 
@@ -495,7 +496,7 @@ class LLMRuntime:
             return original(module, query, key, value, attention_mask, **kwargs)
         visible = self._decode_mask(prefix, q_len, kv_len)
         if layer in self.requests:
-            probs = attn_mod.attention_rows(
+            probs = attention_rows(
                 query,
                 key,
                 torch.arange(q_len, device=query.device)[None].expand(query.shape[0], -1),
@@ -549,6 +550,6 @@ class LLMRuntime:
         visible = (torch.arange(n, device=query.device)[None, None, :] <= rows[:, :, None]) & valid[:, None, :]
         if layer in self.bidirectional:  # every row sees every real key
             visible = valid[:, None, :].expand(-1, rows.shape[1], -1)
-        probs = attn_mod.attention_rows(query, key, rows, visible, scaling, upcast)
+        probs = attention_rows(query, key, rows, visible, scaling, upcast)
         self.captured[layer] = probs * rows_valid[:, None, :, None].to(probs.dtype)
         self.captured_rows_valid[layer] = rows_valid
