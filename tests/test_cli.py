@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import vtc
+from vtc.tools.bench import RATIO_KEYS, TIMING_KEYS, spread
 from vtc.tools.cli import main, parse_params
 
 
@@ -114,7 +115,7 @@ def test_bench_writes_table_json_and_plot(tmp_path, capsys):
                 "--frames",
                 "4",
                 "--repeats",
-                "1",
+                "2",
                 "--methods",
                 "random,fastv",
                 "--retentions",
@@ -140,6 +141,19 @@ def test_bench_writes_table_json_and_plot(tmp_path, capsys):
     for row in report["results"]:
         for key in ("prefill_s", "ttft_s", "peak_mb", "limit_s", "limit_final_s", "speedup", "efficiency"):
             assert row[key] > 0, key
+    # issue 10: every time and ratio as min / median / max of the per-repeat values, in the JSON and the tables
+    assert report["repeats"] == 2 and report["aggregate"] == "median" and "median (min–max) of 2 repeats" in out
+    assert len(report["environment"]["load_1m_per_repeat"]) == 2
+    markdown = (tmp_path / "bench.md").read_text()
+    for row in report["results"]:
+        assert len(row["per_repeat"]) == 2
+        for key in TIMING_KEYS + RATIO_KEYS:
+            s = row["spread"][key]
+            assert s == spread([r[key] for r in row["per_repeat"]]), key
+            assert s["min"] <= s["median"] <= s["max"] and row[key] == s["median"], key
+        eff = row["spread"]["efficiency"]
+        cell = f"{eff['median']:.2f} ({eff['min']:.2f}–{eff['max']:.2f})"
+        assert cell in out and cell in markdown
 
 
 def test_stream_demo_asks_at_the_given_times(tmp_path, capsys, monkeypatch):

@@ -70,6 +70,9 @@ def offline(tmp_path, monkeypatch):
     for module in (vtc.tools.run, vtc.tools.bench, vtc.tools.stream):
         monkeypatch.setattr(module, "load_model", load)
         monkeypatch.setattr(module, "build_random_model", small)
+    # `vtc bench` as written, at 2 repeats: the default's extra repeats only multiply the run time (~30 s each
+    # on 2 cores), and the per-repeat statistics are tested in test_cli.py / test_bench_noise.py
+    monkeypatch.setattr(vtc.tools.bench, "DEFAULT_REPEATS", 2)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "tests").symlink_to(ROOT / "tests")  # the local lmms-eval task, at the README's relative path
     write_video(tmp_path / "clip.mp4", synthetic_video(24, 112, 112), fps=8)
@@ -159,6 +162,9 @@ def test_docs_examples(offline, capsys):
         run_shell(block)
     uniform = code_blocks(ROOT / "docs" / "methods" / "uniform.md", "python")[0]
     run_python(uniform, {"vtc": vtc, "processor": processor})
+    namespace: dict = {}
+    run_python(code_blocks(ROOT / "docs" / "kernels.md", "python")[1], namespace)  # [0] declares an op: a sketch
+    assert namespace["calls"] == [("max_min_select", "torch")] and namespace["picks"].shape == (8,)
 
 
 def test_write_a_plugin_example_registers_and_passes(offline):

@@ -14,8 +14,11 @@ The limit uses the method's per-layer token counts (in-LLM methods keep more tok
 "final-count limit" runs every layer at the last layer's count, i.e. what pruning the same number of tokens
 before the LLM would cost.
 
-Configurations are measured round-robin (repeat 1 of every configuration, then repeat 2, ...) and the best
-of the repeats is kept, so slow drifts of a noisy machine hit every configuration alike.
+Configurations are measured round-robin (repeat 1 of every configuration, then repeat 2, ...), so slow drifts
+of a noisy machine hit every configuration alike. Every repeat is kept. Each ratio is formed repeat by repeat
+from measurements of the same repeat (the method against the "none" row of that repeat; against the limit
+timed right after the method), then reported as the median with the min and max over repeats: the range is
+the noise of one measurement on this machine, the median what the ratio is. Times are medians too.
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from rich import box
@@ -38,6 +42,14 @@ from vtc.tools.loading import build_random_model, demo_clip
 from vtc.tools.progress import progress_bar
 
 BENCH_QUESTION = "What happens in this video?"
+
+# measured on the 2-core CI-class machine (docs/benchmarks.md, "How noisy is it"): the median efficiency of
+# this many repeats stays within +-5 % between runs; fewer repeats did not
+DEFAULT_REPEATS = 5
+
+# per-repeat times (seconds) and the ratios formed from them; each is reported as median / min / max
+TIMING_KEYS = ("prefill_s", "ttft_s", "sample_s", "connect_s", "overhead_s", "limit_s", "limit_final_s")
+RATIO_KEYS = ("speedup", "ttft_speedup", "efficiency", "overhead_share")
 
 
 def params_for(spec: str, params: dict[str, Any]) -> dict[str, Any]:
@@ -109,15 +121,41 @@ def _measure(
     return row
 
 
-def _best(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    best = dict(rows[0])
-    for key in ("prefill_s", "ttft_s", "sample_s", "connect_s", "overhead_s", "limit_s", "limit_final_s"):
-        values = [r[key] for r in rows if key in r]
-        if values:
-            best[key] = min(values)
-    best["peak_mb"] = max(r["peak_mb"] for r in rows if "peak_mb" in r)
-    best["repeats"] = len(rows)
-    return best
+def spread(values: Sequence[float]) -> dict[str, float]:
+    """Median, min and max of per-repeat values (the median of an even count is the mean of the middle two)."""
+    if not values:
+        raise ValueError("spread of no values")
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
+def repeat_ratios(row: dict[str, Any], base: dict[str, Any]) -> dict[str, float]:
+    """The ratios of one repeat: `row` (a configuration) against `base` (no compression, the same repeat)."""
+    method_time = row["prefill_s"] + row["connect_s"]
+    return {
+        "speedup": base["prefill_s"] / method_time,
+        "ttft_speedup": base["ttft_s"] / row["ttft_s"],
+        "efficiency": row["limit_s"] / method_time,
+        "overhead_share": row["overhead_s"] / base["prefill_s"],
+    }
+
+
+def summarize(rows: list[dict[str, Any]], base_rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """One result row from a configuration's repeats and the baseline's repeats (paired by repeat index):
+    every time and ratio as its median (the plain keys, as before) plus `spread` (min / median / max) and
+    `per_repeat` (each repeat's times and ratios, the data the statistics come from)."""
+    if len(rows) != len(base_rows) or not rows:
+        raise ValueError(f"need the same number of repeats, got {len(rows)} and {len(base_rows)}")
+    per_repeat = [
+        {**{key: row[key] for key in TIMING_KEYS}, **repeat_ratios(row, base)} for row, base in zip(rows, base_rows)
+    ]
+    # token counts are the same every repeat (the methods are deterministic); taken from the first
+    summary = {k: v for k, v in rows[0].items() if k not in TIMING_KEYS and k != "peak_mb"}
+    summary["spread"] = {key: spread([r[key] for r in per_repeat]) for key in TIMING_KEYS + RATIO_KEYS}
+    summary.update({key: summary["spread"][key]["median"] for key in TIMING_KEYS + RATIO_KEYS})
+    summary["peak_mb"] = max(r["peak_mb"] for r in rows if "peak_mb" in r)
+    summary["repeats"] = len(rows)
+    summary["per_repeat"] = per_repeat
+    return summary
 
 
 def bench(
@@ -128,12 +166,14 @@ def bench(
     methods: tuple[str, ...] = ("random", "fastv", "framefusion"),
     retentions: tuple[float, ...] = (0.5, 0.3, 0.15),
     frames: int = 48,
-    repeats: int = 2,
+    repeats: int = DEFAULT_REPEATS,
     out_dir: str | None = None,
     params: dict[str, Any] | None = None,
     dtype: str = "float32",
     console: Console | None = None,
 ) -> dict[str, Any]:
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
     console = console or Console()
     params = dict(params or {})
     if model is None:
@@ -161,9 +201,13 @@ def bench(
     with console.status("warming up"), torch.no_grad():
         net(**inputs)
     measured: dict[tuple[str, float | None], list[dict[str, Any]]] = {(c[0], c[2]): [] for c in configs}
+    # the machine's 1-minute load average at the start of each repeat: other processes on the cores are the
+    # usual cause of a repeat far from the others (None where the OS has no load average)
+    load: list[float | None] = []
     with progress_bar(console) as progress:
         task = progress.add_task("benchmarking", total=repeats * len(configs))
         for rep in range(repeats):
+            load.append(os.getloadavg()[0] if hasattr(os, "getloadavg") else None)
             for label, spec, retention in configs:
                 progress.update(task, description=f"{label} @ {retention if retention else 1.0}")
                 row = _measure(net, processor, inputs, video, frames, spec, retention, params, memory=rep == 0)
@@ -183,21 +227,16 @@ def bench(
                 measured[(label, retention)].append(row)
                 progress.advance(task)
 
+    base_rows = measured[("none", None)]
     results = []
-    base = _best(measured[("none", None)])
     for (label, retention), rows in measured.items():
-        best = _best(rows)
-        method_time = best["prefill_s"] + best["connect_s"]
-        best.update(
+        row = summarize(rows, base_rows)
+        row.update(
             method=label,
             retention=retention if retention is not None else 1.0,
-            speedup=base["prefill_s"] / method_time,
-            ttft_speedup=base["ttft_s"] / best["ttft_s"],
-            efficiency=best["limit_s"] / method_time,
-            overhead_share=best["overhead_s"] / base["prefill_s"],
-            mean_layer_tokens=sum(best["layer_tokens"]) / len(best["layer_tokens"]),
+            mean_layer_tokens=sum(row["layer_tokens"]) / len(row["layer_tokens"]),
         )
-        results.append(best)
+        results.append(row)
 
     report = {
         "model": name,
@@ -208,12 +247,15 @@ def bench(
         "text_tokens": text_tokens,
         "num_layers": num_layers,
         "repeats": repeats,
+        # what the plain time and ratio keys of each result are (reports before issue 10 kept the best repeat)
+        "aggregate": "median",
         "environment": {
             "torch": torch.__version__,
             "transformers": __import__("transformers").__version__,
             "threads": torch.get_num_threads(),
             "device": str(next(net.parameters()).device),
             "cpu": platform.processor() or platform.machine(),
+            "load_1m_per_repeat": load,
         },
         "results": results,
     }
@@ -229,60 +271,83 @@ def bench(
     return report
 
 
-# (header, formatter) of every reported column; the console splits them into two tables that fit 80 columns
-SPEED_COLUMNS = [
+def with_range(r: dict[str, Any], key: str, fmt: str, suffix: str = "", scale: float = 1.0) -> str:
+    """A ratio as `median (min–max)` over the repeats, e.g. `2.44x (2.40–2.50)`; the range is left out for a
+    single repeat, where it says nothing."""
+    low, median, high = (format(scale * r["spread"][key][k], fmt) for k in ("min", "median", "max"))
+    if r["repeats"] < 2:
+        return f"{median}{suffix}"
+    return f"{median}{suffix} ({low}–{high}{suffix if suffix == '%' else ''})"
+
+
+# (header, formatter) of every reported column, in the Markdown table's order; times are medians over repeats
+COLUMNS = [
     ("method", lambda r: r["method"]),
     ("ret", lambda r: f"{r['retention']:.2f}"),
     ("tokens", lambda r: str(r["tokens_out"])),
     ("/layer", lambda r: f"{r['mean_layer_tokens']:.0f}"),
     ("prefill s", lambda r: f"{r['prefill_s']:.2f}"),
     ("TTFT s", lambda r: f"{r['ttft_s']:.2f}"),
-    ("speedup", lambda r: f"{r['speedup']:.2f}x"),
-    ("TTFT x", lambda r: f"{r['ttft_speedup']:.2f}x"),
-]
-COST_COLUMNS = [
+    ("speedup", lambda r: with_range(r, "speedup", ".2f", "x")),
+    ("TTFT x", lambda r: with_range(r, "ttft_speedup", ".2f", "x")),
     ("peak MB", lambda r: f"{r['peak_mb']:.0f}"),
     ("limit s", lambda r: f"{r['limit_s']:.2f}"),
     ("final limit s", lambda r: f"{r['limit_final_s']:.2f}"),
-    ("effic.", lambda r: f"{r['efficiency']:.2f}"),
-    ("overhead", lambda r: f"{r['overhead_share']:.1%}"),
+    ("effic.", lambda r: with_range(r, "efficiency", ".2f")),
+    ("overhead", lambda r: with_range(r, "overhead_share", ".1f", "%", scale=100)),
     ("sample s", lambda r: f"{r.get('sample_s', 0.0):.2f}"),
 ]
+# the console splits the columns into three tables, each within 80 columns with the ranges shown
+CONSOLE_TABLES = (
+    ("tokens and memory", ("method", "ret", "tokens", "/layer", "peak MB", "sample s")),
+    ("speed against no compression", ("method", "ret", "prefill s", "TTFT s", "speedup", "TTFT x")),
+    (
+        "cost against the limit (same per-layer tokens, no compression logic)",
+        ("method", "ret", "limit s", "final limit s", "effic.", "overhead"),
+    ),
+)
 
 
 def _title(report: dict[str, Any]) -> str:
+    n = report["repeats"]
+    stat = "one repeat" if n == 1 else f"median (min–max) of {n} repeats"
     return (
         f"{report['model']}: {report['visual_tokens']} visual + {report['text_tokens']} text tokens, "
-        f"{report['num_layers']} layers, best of {report['repeats']}"
+        f"{report['num_layers']} layers, {stat}"
     )
 
 
 def print_table(report: dict[str, Any], console: Console) -> None:
-    """Two tables (speed; cost against the limit) so each stays readable in an 80-column terminal."""
-    for title, columns in (
-        (_title(report), SPEED_COLUMNS),
-        (
-            "cost against the limit (same per-layer token counts, no compression logic)",
-            SPEED_COLUMNS[:2] + COST_COLUMNS,
-        ),
-    ):
+    """Three tables (tokens and memory; speed; cost against the limit) so each stays readable in an
+    80-column terminal with the ratios' ranges."""
+    formatters = dict(COLUMNS)
+    console.print(_title(report))
+    for title, headers in CONSOLE_TABLES:
         table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
-        for header, _ in columns:
+        for header in headers:
             table.add_column(header, justify="left" if header == "method" else "right", no_wrap=header == "method")
         for r in report["results"]:
-            table.add_row(*(fmt(r) for _, fmt in columns))
+            table.add_row(*(formatters[h](r) for h in headers))
         console.print(table)
 
 
 def markdown_table(report: dict[str, Any]) -> str:
     """All columns as one Markdown table (what docs/benchmarks.md shows)."""
-    columns = SPEED_COLUMNS + COST_COLUMNS
+    columns = COLUMNS
     lines = ["| " + " | ".join(h for h, _ in columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(fmt(r) for _, fmt in columns) + " |" for r in report["results"]]
     return "\n".join(lines) + "\n"
 
 
+def _error_bars(rows: list[dict[str, Any]], key: str) -> tuple[list[float], list[list[float]]]:
+    """Medians and (below, above) distances to the min and max over repeats, as `errorbar`'s `y` and `yerr`."""
+    spreads = [r["spread"][key] for r in rows]
+    medians = [s["median"] for s in spreads]
+    return medians, [[s["median"] - s["min"] for s in spreads], [s["max"] - s["median"] for s in spreads]]
+
+
 def plot(report: dict[str, Any], path: str) -> None:
+    """Speedup and efficiency against retention: medians over repeats, error bars from min to max."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -295,22 +360,32 @@ def plot(report: dict[str, Any], path: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     colors = plt.get_cmap("tab20").colors
     markers = "os^vDP*Xh<>"
+    # methods share the retentions: shift each a little sideways so their error bars do not hide each other
+    retentions = sorted({r["retention"] for rows in by_method.values() for r in rows})
+    gap = min((b - a for a, b in zip(retentions, retentions[1:])), default=0.1)
+    dodge = 0.3 * gap / max(1, len(by_method))
     for i, (method, rows) in enumerate(by_method.items()):
         rows = sorted(rows, key=lambda r: r["retention"])
-        x = [r["retention"] for r in rows]
+        x = [r["retention"] + (i - (len(by_method) - 1) / 2) * dodge for r in rows]
         style = dict(marker=markers[i % len(markers)], color=colors[(2 * i) % 20 + (2 * i) // 20], label=method)
-        axes[0].plot(x, [r["speedup"] for r in rows], **style)
-        axes[1].plot(x, [r["efficiency"] for r in rows], **style)
+        for ax, key in zip(axes, ("speedup", "efficiency")):
+            y, yerr = _error_bars(rows, key)
+            ax.errorbar(x, y, yerr=yerr, capsize=3, **style)
     axes[0].set(xlabel="retention", ylabel="prefill speedup (x)", title="speedup vs no compression")
     axes[1].set(xlabel="retention", ylabel="limit time / method time", title="efficiency (1 = no overhead)")
-    axes[1].axhline(0.95, color="grey", linestyle="--", linewidth=0.8)
-    efficiencies = [r["efficiency"] for r in report["results"]]
-    axes[1].set_ylim(min(0.8, min(efficiencies) - 0.05), max(1.1, max(efficiencies) + 0.05))
+    # the baseline against its own limit: how far from 1.0 a method with no overhead at all can land here
+    none = next(r["spread"]["efficiency"] for r in report["results"] if r["method"] == "none")
+    axes[1].axhspan(none["min"], none["max"], color="grey", alpha=0.2, label="none vs its limit (min–max)")
+    axes[1].axhline(none["median"], color="grey", linestyle="--", linewidth=0.8)
+    low = min(r["spread"]["efficiency"]["min"] for r in report["results"])
+    high = max(r["spread"]["efficiency"]["max"] for r in report["results"])
+    axes[1].set_ylim(min(0.8, low - 0.05), max(1.1, high + 0.05))
     for ax in axes:
         ax.grid(alpha=0.3)
     # one legend outside the plots, so no curve hides behind it
     axes[1].legend(loc="center left", bbox_to_anchor=(1.02, 0.5), fontsize="small")
-    fig.suptitle(report["model"])
+    n = report["repeats"]
+    fig.suptitle(f"{report['model']}: " + (f"median, bars min–max of {n} repeats" if n > 1 else "one repeat"))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
