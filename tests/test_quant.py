@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from vtc_kernels import QuantizedGroups, dequantize_groups, quantize_groups
-from vtc_kernels.quant import concat_groups
-from vtc_kernels.quant import unpack_groups
+from vtc_kernels.quant import concat_groups, unpack_groups
 
 
 def bound(x: torch.Tensor, q: QuantizedGroups) -> torch.Tensor:
