@@ -1,6 +1,7 @@
-"""A real `vtc serve` process on a local port, answered through the OpenAI client: the prompt holds exactly the
-text plus `retained_count` video tokens, a malformed video gets HTTP 400 and the server keeps serving, and a
-config that cannot serve stops `vtc serve` before vLLM starts."""
+"""A real `vtc serve` process on a local port (Qwen2-VL and Qwen3-VL), answered through the OpenAI client: the
+prompt holds exactly the text plus `retained_count` video tokens, a request may set its own retention, twelve
+concurrent requests answer as each does alone while a malformed one among them gets HTTP 400, and a config that
+cannot serve stops `vtc serve` before vLLM starts."""
 
 from __future__ import annotations
 
@@ -11,12 +12,13 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from vtc.media.video import synthetic_video
 from vtc.testing import tiny
-from vtc.vllm.client import video_message
+from vtc.vllm.client import request_settings, video_message
 from vtc.vllm.config import ServeConfig
 
 QUESTION = "What happens in this video?"
@@ -28,14 +30,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    path = tiny.save("qwen2_vl", str(tmp_path_factory.mktemp("serve") / "qwen2_vl"))
+SERVED = ("qwen2_vl", "qwen3_vl")
+
+
+@pytest.fixture(scope="module", params=SERVED)
+def server(request, tmp_path_factory):
+    family = request.param
+    path = tiny.save(family, str(tmp_path_factory.mktemp("serve") / family))
     port = free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     command = [sys.executable, "-m", "vtc.tools.cli", "serve", path, "--methods", "vidcom2", "--retention", "0.25"]
-    command += ["--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "8192"]
-    command += ["--kv-cache-memory-bytes", str(1 << 28), "--served-model-name", "tiny"]
+    command += ["--retention-range", "0.1,0.75", "--port", str(port), "--dtype", "float32", "--enforce-eager"]
+    command += ["--max-model-len", "8192", "--kv-cache-memory-bytes", str(1 << 28), "--served-model-name", "tiny"]
+    # prompts of concurrent requests are prefilled together in chunks of at most 512 tokens, as under load
+    command += ["--max-num-batched-tokens", "512", "--limit-mm-per-prompt", '{"video": 2, "image": 1}']
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
@@ -54,7 +62,7 @@ def server(tmp_path_factory):
     else:
         proc.kill()
         raise RuntimeError("vtc serve did not come up in 240 s:\n" + "".join(lines[-40:]))
-    yield client, lines, path
+    yield client, lines, path, family
     proc.terminate()
     try:
         proc.wait(timeout=30)
@@ -73,8 +81,12 @@ def kept_logs(lines: list[str]) -> list[tuple[tuple[int, int, int], int, int]]:
     return out
 
 
+def count(family: str, grid, retention: float = 0.25) -> int:
+    return ServeConfig.from_dict({"methods": "vidcom2", "retention": retention}).pipeline(family).retained_count(grid)
+
+
 def test_vtc_serve_answers_a_chat_completion_with_a_compressed_video(server):
-    client, lines, path = server
+    client, lines, path, family = server
     from transformers import AutoTokenizer
 
     frames = synthetic_video(8, 224, 224, seed=0)
@@ -89,9 +101,9 @@ def test_vtc_serve_answers_a_chat_completion_with_a_compressed_video(server):
     assert len(logs) == 1
     grid, kept, total = logs[0]
     assert total == grid[0] * grid[1] * grid[2]
-    assert kept == ServeConfig.from_dict({"methods": "vidcom2", "retention": 0.25}).pipeline("qwen2_vl").retained_count(
-        grid
-    )
+    assert kept == count(family, grid)
+    if family != "qwen2_vl":
+        return  # Qwen3-VL's prompt also holds per-frame timestamps, counted in test_vllm.py
     # the text of the prompt: the chat template with the video as one placeholder token
     tokenizer = AutoTokenizer.from_pretrained(path)
     content = [{"type": "video"}, {"type": "text", "text": QUESTION}]
@@ -103,7 +115,7 @@ def test_vtc_serve_answers_a_chat_completion_with_a_compressed_video(server):
 
 
 def test_a_malformed_video_gets_400_and_the_server_keeps_serving(server):
-    client, _, _ = server
+    client, _, _, _ = server
     import openai
 
     broken = {
@@ -119,6 +131,88 @@ def test_a_malformed_video_gets_400_and_the_server_keeps_serving(server):
         model="tiny", messages=[video_message(synthetic_video(8, 224, 224, seed=1), QUESTION)], max_tokens=2
     )
     assert reply.usage.prompt_tokens > 0
+
+
+BROKEN = {
+    "role": "user",
+    "content": [
+        {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,bm90IGEgdmlkZW8="}},
+        {"type": "text", "text": QUESTION},
+    ],
+}
+
+
+def ask(client, message, extra=None):
+    """(answer, prompt tokens, the first token's top-5 logprobs) of one chat request (`extra`: its extra_body)."""
+    reply = client.chat.completions.create(
+        model="tiny",
+        messages=[message],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=5,
+        extra_body=extra,
+    )
+    first = [(entry.token, entry.logprob) for entry in reply.choices[0].logprobs.content[0].top_logprobs]
+    return reply.choices[0].message.content, reply.usage.prompt_tokens, first
+
+
+def test_a_request_sets_its_own_retention(server):
+    """`extra_body={"mm_processor_kwargs": {"vtc": {"retention": 0.5}}}` sizes that request's video to 0.5 (the
+    server runs 0.25); a retention outside the server's range, or a setting a request may not change, gets HTTP
+    400 naming the allowed values, and the server keeps serving."""
+    client, lines, _, family = server
+    import openai
+
+    message = video_message(synthetic_video(8, 224, 224, seed=4), QUESTION)
+    before = len(kept_logs(lines))
+    _, base, _ = ask(client, message)
+    _, more, _ = ask(client, message, request_settings(retention=0.5))
+    time.sleep(0.5)
+    logs = kept_logs(lines)[before:]
+    assert [kept for _, kept, _ in logs] == [count(family, logs[0][0]), count(family, logs[0][0], 0.5)]
+    assert more - base == logs[1][1] - logs[0][1]
+    for settings, message_part in [
+        ({"retention": 0.9}, r"retention must be in \[0.1, 0.75\] on this server"),
+        ({"methods": "random"}, "a request may set retention, params, seed"),
+    ]:
+        with pytest.raises(openai.BadRequestError, match=message_part):
+            ask(client, message, {"mm_processor_kwargs": {"vtc": settings}})
+    assert ask(client, message)[1] == base
+
+
+def test_concurrent_requests_answer_as_each_does_alone(server):
+    """Twelve requests with different videos and sizes (one with two videos, one with a video and an image), sent
+    at once with a malformed one among them: each good one gets its own compression and the answer, prompt tokens
+    and first-token logprobs it gets alone (up to the last bits a batched forward changes in stock vLLM too); the
+    malformed one gets HTTP 400.
+
+    Under load every request carries `{"seed": 0}`, the server's own seed, as its vtc settings: the same
+    compression under a new cache key, so each video is encoded and compressed again, among the others."""
+    client, lines, _, family = server
+    import openai
+
+    shapes = [(8, 224), (12, 192), (8, 160), (16, 224)] * 3
+    videos = [[synthetic_video(f, s, s, seed=10 + k)] for k, (f, s) in enumerate(shapes)]
+    videos[5].append(synthetic_video(8, 192, 192, seed=30))
+    picture = synthetic_video(1, 112, 140, seed=31)[0]
+    messages = [video_message(v, QUESTION, images=[picture] if k == 6 else []) for k, v in enumerate(videos)]
+    alone = [ask(client, message) for message in messages]
+    before = len(kept_logs(lines))
+    with ThreadPoolExecutor(len(messages) + 1) as pool:
+        futures = [pool.submit(ask, client, message, request_settings(seed=0)) for message in messages]
+        broken = pool.submit(ask, client, BROKEN)
+        together = [future.result() for future in futures]
+        with pytest.raises(openai.BadRequestError):
+            broken.result()
+    time.sleep(0.5)
+    logs = kept_logs(lines)[before:]
+    assert len(logs) == sum(len(v) for v in videos)  # every video compressed again, under load
+    assert all(kept == count(family, grid) for grid, kept, _ in logs)
+    for k, ((text, tokens, first), (text_alone, tokens_alone, first_alone)) in enumerate(zip(together, alone)):
+        assert text == text_alone and tokens == tokens_alone, k
+        assert [t for t, _ in first] == [t for t, _ in first_alone], k
+        assert all(abs(a - b) < 1e-4 for (_, a), (_, b) in zip(first, first_alone)), k
 
 
 def test_vtc_serve_refuses_a_method_that_cannot_serve_before_vllm_starts(tmp_path):

@@ -28,6 +28,7 @@ class ForwardStats:
     sequence_in: int = 0  # padded prompt length before / after the connect stage
     sequence_out: int = 0
     grids: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)  # token grid (T, H, W) per video
+    llm_tokens_per_video: list[int] = dataclasses.field(default_factory=list)  # visual tokens entering the LLM
     layer_visual_tokens: list[int] = dataclasses.field(default_factory=list)
     stages: list[StageRecord] = dataclasses.field(default_factory=list)
     # what plugins reported (`ctx.report(name=value)`): method -> name -> values in call order (connect hooks
@@ -88,6 +89,9 @@ class ForwardStats:
             f"visual tokens: {self.visual_tokens_in} produced -> {self.llm_tokens_in} enter the LLM -> "
             f"{self.visual_tokens_out} at the last layer ({self.retention:.1%})"
         )
+        if self.videos > 1 and self.llm_tokens_per_video:
+            per_video = ", ".join(f"{t}x{h}x{w} -> {n}" for (t, h, w), n in zip(self.grids, self.llm_tokens_per_video))
+            lines.append(f"per video (grid -> tokens entering the LLM): {per_video}")
         if self.layer_visual_tokens:
             lines.append("per LLM layer: " + " ".join(str(n) for n in self.layer_visual_tokens))
         return "\n".join(lines)

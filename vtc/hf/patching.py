@@ -302,7 +302,8 @@ class ModelPatch:
             )
             changed |= out is not tokens  # plugins return their input untouched when they keep everything
             outputs.append(out)
-        stats.llm_tokens_in = sum(len(o) for o in outputs)
+        stats.llm_tokens_per_video = [len(o) for o in outputs]
+        stats.llm_tokens_in = sum(stats.llm_tokens_per_video)
         stats.visual_tokens_out = stats.llm_tokens_in
         self._final_counts = (lambda: [len(o) for o in outputs]) if self.runtime is None else self._layer_counts(spans)
 

@@ -19,7 +19,8 @@ import torch
 from vtc.api import prepare_inputs
 from vtc.hf.adapters import CapturedInputs, resolve_adapter
 from vtc.hf.patching import MEDIA_KWARGS
-from vtc.media.video import synthetic_video
+from vtc.media.inputs import SampledVideo, processor_video_kwargs
+from vtc.media.video import VideoSource, synthetic_video
 from vtc.testing import tiny
 
 FAMILIES = tiny.FAMILIES
@@ -50,6 +51,19 @@ def single_inputs(family: str, which: int = 0):
 def batch_inputs(family: str):
     _, processor = model_and_processor(family)
     return prepare_inputs(processor, list(videos()), list(QUESTIONS), num_frames=NUM_FRAMES, fps=8)
+
+
+def prompt_inputs(processor, videos: list[Any], images: list[Any] = (), question: str = QUESTIONS[0], fps: float = 8):
+    """Processor inputs of ONE prompt holding several videos ([T, H, W, 3] uint8 each, all frames used), then
+    `images` (PIL), then the question: what a user sends when a prompt compares clips or adds a picture."""
+    content = [{"type": "video"} for _ in videos] + [{"type": "image"} for _ in images]
+    chat = [{"role": "user", "content": content + [{"type": "text", "text": question}]}]
+    text = processor.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    sampled = [SampledVideo(v, list(range(len(v))), VideoSource.open(v, fps=fps)) for v in videos]
+    extra = {"images": list(images)} if images else {}
+    return processor(
+        text=[text], videos=list(videos), return_tensors="pt", **extra, **processor_video_kwargs(processor, sampled)
+    )
 
 
 def token_grids(model: torch.nn.Module, inputs: Any) -> list[tuple[int, int, int]]:

@@ -3,7 +3,8 @@
 `engine(path, vtc=...)` starts an in-process `vllm.LLM` (no worker processes: ~20 s on 2 cores instead of ~35 s,
 and vtc's model objects stay reachable); `reconfigure(llm, config)` switches the vtc config of a running engine so
 a test can try several methods on one engine (a real server's config is fixed at start). `video_request` builds
-the prompt and multimodal data for one or more generated clips.
+the prompt and multimodal data for one or more generated clips (and images); `record_positions` makes an engine
+keep the M-RoPE positions of the prompts it runs.
 """
 
 from __future__ import annotations
@@ -52,11 +53,33 @@ def clear_caches(llm) -> None:
 
 
 def last_kept_cells(model) -> list[int]:
-    """The grid cells the last compressed video kept in this worker (`llm.apply_model(last_kept_cells)` asks every
-    rank; a module-level function, so vLLM can send it to worker processes)."""
+    """The grid cells the last compressed video kept in this worker, [] if it compressed none (a pipeline stage
+    after the first). `llm.apply_model(last_kept_cells)` asks every worker; a module-level function, so vLLM can
+    send it to worker processes."""
     from vtc.vllm.models import LAST_KEPT
 
-    return LAST_KEPT[-1]["cells"].tolist()
+    return LAST_KEPT[-1]["cells"].tolist() if LAST_KEPT else []
+
+
+POSITIONS: list[Any] = []  # M-RoPE positions [3, L] of the prompts an engine ran, newest last (record_positions)
+
+
+def record_positions(model) -> None:
+    """Make an in-process engine's model record the M-RoPE positions of every prompt in `POSITIONS`
+    (`llm.apply_model(record_positions)`): a stock model's when the request is scheduled, vtc's each time a chunk
+    of media embeddings fills them, so the last entry is the last prompt's final positions."""
+    for name in ("get_mrope_input_positions", "recompute_mrope_positions"):
+        method = getattr(model, name, None)
+        if method is None or (name == "recompute_mrope_positions" and getattr(model, "vtc", None) is None):
+            continue
+
+        def recording(*args, _method=method, _name=name, **kwargs):
+            out = _method(*args, **kwargs)
+            POSITIONS.append((out[0] if _name == "get_mrope_input_positions" else out[1]).clone().cpu())
+            del POSITIONS[:-256]
+            return out
+
+        setattr(model, name, recording)
 
 
 def video_metadata(num_frames: int, fps: float = 8.0) -> dict[str, Any]:
@@ -69,12 +92,20 @@ def video_metadata(num_frames: int, fps: float = 8.0) -> dict[str, Any]:
     }
 
 
-def video_request(tokenizer, frames: list[np.ndarray] | np.ndarray, question: str) -> dict[str, Any]:
-    """A `generate` request with one or more videos ([T, H, W, 3] uint8 each) followed by the question."""
+def video_request(
+    tokenizer, frames: list[np.ndarray] | np.ndarray, question: str, fps: float = 8.0, images: list[Any] = ()
+) -> dict[str, Any]:
+    """A `generate` request with one or more videos ([T, H, W, 3] uint8 each, sampled at `fps`), then `images`
+    (PIL), then the question."""
     videos = [frames] if isinstance(frames, np.ndarray) else list(frames)
-    content = [{"type": "video"} for _ in videos] + [{"type": "text", "text": question}]
+    content = [{"type": "video"} for _ in videos] + [{"type": "image"} for _ in images]
     prompt = tokenizer.apply_chat_template(
-        [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+        [{"role": "user", "content": content + [{"type": "text", "text": question}]}],
+        tokenize=False,
+        add_generation_prompt=True,
     )
-    data = [(v, video_metadata(len(v))) for v in videos]
-    return {"prompt": prompt, "multi_modal_data": {"video": data[0] if len(data) == 1 else data}}
+    data = [(v, video_metadata(len(v), fps)) for v in videos]
+    media: dict[str, Any] = {"video": data[0] if len(data) == 1 else data}
+    if images:
+        media["image"] = images[0] if len(images) == 1 else list(images)
+    return {"prompt": prompt, "multi_modal_data": media}

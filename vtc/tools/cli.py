@@ -194,6 +194,14 @@ def cmd_eval(args, console: Console) -> int:
     return 0 if all(c.get("status") == "ok" for c in report["cells"]) else 1
 
 
+def _retention_range(text: str) -> tuple[float, float]:
+    try:
+        low, high = (float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LOW,HIGH such as 0.1,0.5; got {text!r}") from None
+    return low, high
+
+
 def cmd_serve(args, console: Console) -> int:
     from vtc.tools.serve import serve
 
@@ -204,6 +212,8 @@ def cmd_serve(args, console: Console) -> int:
         params=parse_params(args.param),
         seed=args.seed,
         vllm_args=args.vllm_args,
+        request_settings=not args.no_request_settings,
+        retention_range=args.retention_range,
     )
 
 
@@ -343,6 +353,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--retention", type=float, help="fraction of each video's tokens the LLM sees, in (0, 1]")
     serve.add_argument("--param", action="append", metavar="NAME=VALUE", help="method parameter, e.g. k=3")
     serve.add_argument("--seed", type=int, default=0, help="seed of every random choice (default 0)")
+    serve.add_argument(
+        "--no-request-settings",
+        action="store_true",
+        help='refuse per-request settings (mm_processor_kwargs={"vtc": {...}}) with HTTP 400',
+    )
+    serve.add_argument(
+        "--retention-range",
+        type=_retention_range,
+        default=(0.0, 1.0),
+        metavar="LOW,HIGH",
+        help="the retention a request may ask for (default 0,1: any in (0, 1])",
+    )
     kernels = sub.add_parser(
         "bench-kernels",
         help="time vtc's shared ops against the official codes (CPU) or their Triton kernels (CUDA)",

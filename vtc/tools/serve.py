@@ -75,8 +75,19 @@ def serve(
     params: dict[str, Any] | None = None,
     seed: int = 0,
     vllm_args: list[str] | None = None,
+    request_settings: bool = True,
+    retention_range: tuple[float, float] = (0.0, 1.0),
 ) -> int:
-    config = ServeConfig.from_dict({"methods": methods, "retention": retention, "params": params or {}, "seed": seed})
+    config = ServeConfig.from_dict(
+        {
+            "methods": methods,
+            "retention": retention,
+            "params": params or {},
+            "seed": seed,
+            "request_settings": request_settings,
+            "retention_range": list(retention_range),
+        }
+    )
     architectures = model_architectures(model)
     if architectures is not None:
         config.pipeline(family_of(architectures))  # fail before vLLM starts

@@ -1,9 +1,11 @@
-"""Client helpers: send frames to a vLLM server as an OpenAI `video_url` content part."""
+"""Client helpers: send frames (and images) to a vLLM server as OpenAI content parts, ask for a request's own vtc
+settings, and choose frames against the question where it is known (`select_frames`)."""
 
 from __future__ import annotations
 
 import base64
-from typing import Any
+import io
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -15,15 +17,44 @@ def video_data_url(frames: np.ndarray, fps: int = 8) -> str:
     return "data:video/mp4;base64," + base64.b64encode(encode_video(frames, fps)).decode()
 
 
-def video_message(frames: np.ndarray, question: str, fps: int = 8) -> dict[str, Any]:
-    """One user chat message with the video then the question."""
-    return {
-        "role": "user",
-        "content": [
-            {"type": "video_url", "video_url": {"url": video_data_url(frames, fps)}},
-            {"type": "text", "text": question},
-        ],
-    }
+def image_data_url(image: Any) -> str:
+    """A PIL image, or an [H, W, 3] uint8 array, as a PNG in a `data:image/png;base64,` URL."""
+    from PIL import Image
+
+    if isinstance(image, np.ndarray):
+        image = Image.fromarray(image)
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def video_message(
+    frames: np.ndarray | Sequence[np.ndarray], question: str, fps: int = 8, images: Sequence[Any] = ()
+) -> dict[str, Any]:
+    """One user chat message: the video (or several, a list of frame arrays), then `images`, then the question.
+    The server compresses each video to its own count; images pass whole."""
+    videos = [frames] if isinstance(frames, np.ndarray) else list(frames)
+    content: list[dict[str, Any]] = [
+        {"type": "video_url", "video_url": {"url": video_data_url(v, fps)}} for v in videos
+    ]
+    content += [{"type": "image_url", "image_url": {"url": image_data_url(image)}} for image in images]
+    return {"role": "user", "content": content + [{"type": "text", "text": question}]}
+
+
+def request_settings(
+    retention: float | None = None, params: dict[str, Any] | None = None, seed: int | None = None
+) -> dict[str, Any]:
+    """`extra_body` for one request with its own vtc settings (the server's for whatever is left out):
+    `client.chat.completions.create(..., extra_body=request_settings(retention=0.5))`. The server checks them
+    (its `retention_range`, its methods' parameters) and answers HTTP 400 naming what it allows."""
+    settings: dict[str, Any] = {}
+    if retention is not None:
+        settings["retention"] = retention
+    if params:
+        settings["params"] = dict(params)
+    if seed is not None:
+        settings["seed"] = seed
+    return {"mm_processor_kwargs": {"vtc": settings}}
 
 
 def select_frames(

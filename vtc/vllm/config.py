@@ -17,9 +17,10 @@ from typing import Any
 from vtc.core.pipeline import Pipeline, parse_spec, validate_retention
 from vtc.core.registry import registry
 
-KEY = "vtc"  # additional_config[KEY]
+KEY = "vtc"  # additional_config[KEY], and a request's mm_processor_kwargs[KEY]
 CONFIG_ATTR = "vtc_serving"  # the checked config, on the HF config (see vtc.vllm.plugin)
-FIELDS = ("methods", "retention", "params", "seed")
+FIELDS = ("methods", "retention", "params", "seed", "request_settings", "retention_range")
+REQUEST_FIELDS = ("retention", "params", "seed")  # what one request may set (mm_processor_kwargs["vtc"])
 
 # vLLM architecture name -> vtc family
 ARCHITECTURES = {
@@ -71,12 +72,16 @@ def _has_field(params_cls: type, name: str) -> bool:
 class ServeConfig:
     """methods: a spec such as "vidcom2" or "dycoke-ttm+divprune". retention: fraction of each video's tokens the
     LLM sees. params: method parameters (`field` or `method.field`), as for `vtc.patch`. seed: the seed of every
-    random choice (the same video always gets the same tokens)."""
+    random choice (the same video always gets the same tokens). request_settings: whether a request may override
+    retention, params or seed for itself (`mm_processor_kwargs={"vtc": {...}}`); retention_range: the
+    [low, high] a request's retention must lie in."""
 
     methods: str
     retention: float | None = None
     params: dict[str, Any] = dataclasses.field(default_factory=dict)
     seed: int = 0
+    request_settings: bool = True
+    retention_range: tuple[float, float] = (0.0, 1.0)
 
     @classmethod
     def from_dict(cls, raw: Any) -> "ServeConfig":
@@ -97,13 +102,19 @@ class ServeConfig:
             if not isinstance(methods, (list, tuple)) or not all(isinstance(m, str) for m in methods):
                 raise ValueError(f'"methods" must be a string such as "vidcom2+divprune" or a list; got {methods!r}')
             methods = "+".join(methods)
-        params = raw.get("params") or {}
-        if not isinstance(params, dict):
-            raise ValueError(f'"params" must be an object of method parameters; got {params!r}')
-        seed = raw.get("seed", 0)
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f'"seed" must be an integer; got {seed!r}')
-        config = cls("+".join(parse_spec(methods)), validate_retention(raw.get("retention")), dict(params), seed)
+        params = _check_params(raw.get("params"), '"params"')
+        seed = _check_seed(raw.get("seed", 0), '"seed"')
+        allowed = raw.get("request_settings", True)
+        if not isinstance(allowed, bool):
+            raise ValueError(f'"request_settings" must be true or false; got {allowed!r}')
+        config = cls(
+            "+".join(parse_spec(methods)),
+            validate_retention(raw.get("retention")),
+            params,
+            seed,
+            allowed,
+            _check_range(raw.get("retention_range", (0.0, 1.0))),
+        )
         config.check_methods()
         return config
 
@@ -111,7 +122,49 @@ class ServeConfig:
         out: dict[str, Any] = {"methods": self.methods, "retention": self.retention, "seed": self.seed}
         if self.params:
             out["params"] = dict(self.params)
+        if not self.request_settings:
+            out["request_settings"] = False
+        if tuple(self.retention_range) != (0.0, 1.0):
+            out["retention_range"] = list(self.retention_range)
         return out
+
+    def for_request(self, raw: Any) -> "ServeConfig":
+        """The config one request runs with: this one with the request's `mm_processor_kwargs["vtc"]` applied
+        (retention, params: merged over the server's, seed). Raises ValueError naming what the server allows; vLLM
+        answers it with HTTP 400."""
+        where = 'mm_processor_kwargs["vtc"]'
+        if not self.request_settings:
+            raise ValueError(
+                f"this server does not take per-request vtc settings ({where}); it runs {self.methods!r} at retention "
+                f"{self.retention} for every request (started with request_settings=false)"
+            )
+        if not isinstance(raw, dict):
+            raise ValueError(f"{where} must be an object with keys {', '.join(REQUEST_FIELDS)}; got {raw!r}")
+        unknown = sorted(set(raw) - set(REQUEST_FIELDS))
+        if unknown:
+            hint = (
+                f"; this server runs {self.methods!r} (start another to serve other methods)"
+                if "methods" in raw
+                else ""
+            )
+            raise ValueError(
+                f"{where}: unknown key(s) {', '.join(unknown)}; a request may set {', '.join(REQUEST_FIELDS)}{hint}"
+            )
+        retention = self.retention
+        if "retention" in raw:
+            try:
+                retention = validate_retention(raw["retention"])
+            except ValueError as err:
+                raise ValueError(f"{where}: {err}") from None
+            low, high = self.retention_range
+            if retention is None or not low <= retention <= high:
+                raise ValueError(
+                    f"{where}: retention must be in [{low}, {high}] on this server (its retention_range), got "
+                    f"{raw['retention']!r}"
+                )
+        params = {**self.params, **_check_params(raw.get("params"), f"{where}.params")}
+        seed = _check_seed(raw.get("seed", self.seed), f"{where}.seed")
+        return dataclasses.replace(self, retention=retention, params=params, seed=seed)
 
     def check_methods(self) -> None:
         """Every method is installed and can serve (the family-specific checks are in `pipeline`)."""
@@ -173,6 +226,31 @@ class ServeConfig:
                 + ", ".join(servable_methods())
             )
         return pipeline
+
+
+def _check_params(params: Any, where: str) -> dict[str, Any]:
+    params = params or {}
+    if not isinstance(params, dict):
+        raise ValueError(f"{where} must be an object of method parameters; got {params!r}")
+    return dict(params)
+
+
+def _check_seed(seed: Any, where: str) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"{where} must be an integer; got {seed!r}")
+    return seed
+
+
+def _check_range(value: Any) -> tuple[float, float]:
+    message = f'"retention_range" must be [low, high] with 0 <= low <= high <= 1; got {value!r}'
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        raise ValueError(message)
+    if any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in value):
+        raise ValueError(message)
+    low, high = float(value[0]), float(value[1])
+    if not 0.0 <= low <= high <= 1.0:
+        raise ValueError(message)
+    return low, high
 
 
 # methods that act inside the LLM, and the name of the part of them a server runs

@@ -5,14 +5,19 @@ each video's placeholders to `retained_count`.
 `vllm serve` picks them for the five families. Without a vtc config they are vLLM's classes, unchanged. With
 one (`additional_config={"vtc": {...}}`):
 
-  processor (API server): the video replacement is `retained_count(grid)` placeholders (+ LLaVA-OneVision's
-      newline; Qwen3-VL: the whole per-video span, timestamps included, as vLLM's own pruning lays it out);
+  processor (API server): each video's replacement is `retained_count(grid)` placeholders, counted with the
+      request's own settings when it sends some (`mm_processor_kwargs={"vtc": {...}}`, checked here: a value
+      the server does not allow is an HTTP 400), which travel to the model with the video (`vtc_settings`);
+      LLaVA-OneVision keeps its newline, Qwen3-VL reserves the whole per-video span (timestamps included), as
+      vLLM's own pruning lays it out;
   model (each worker): the vision encoder runs as usual (statistics captured if a method asks), then
-      `vtc.core.engine.connect_video` compresses each video and the survivors go back frame by frame, with
-      their original M-RoPE positions appended the way vLLM's pruning path expects them (the runner then
-      calls `recompute_mrope_positions`, which re-positions the text after the video).
+      `vtc.core.engine.connect_video` compresses each video. The survivors go back frame by frame, in the order
+      vtc's HF backend uses; on the Qwen families every image and video also carries its slots' stock M-RoPE
+      positions (`vtc.vllm.positions`, vtc's own position computation, which places several videos, images and
+      chunked prefills right).
 
-The encoder cache therefore holds media-only results: nothing here reads the question.
+The encoder cache therefore holds media-only results: nothing here reads the question. vLLM keys the encoder and
+processor caches on the request's `mm_processor_kwargs` too, so per-request settings never share an entry.
 """
 
 from __future__ import annotations
@@ -56,8 +61,8 @@ from vllm.model_executor.models.qwen3_vl import (
     Qwen3VLProcessingInfo,
 )
 from vllm.multimodal import MULTIMODAL_REGISTRY
+from vllm.multimodal.inputs import MultiModalFieldConfig
 from vllm.multimodal.processing import PromptReplacement
-from vllm.multimodal.video_prune.evs import compute_mrope_for_media
 
 from vtc.core.engine import connect_video, grid_cells
 from vtc.core.geometry import FamilyGeometry
@@ -65,24 +70,71 @@ from vtc.core.pipeline import Pipeline
 from vtc.core.tokens import Context
 from vtc.hf.prepool import PrepoolCapture
 from vtc.vllm.config import CONFIG_ATTR, KEY, ServeConfig
+from vtc.vllm.positions import (
+    MediaSpan,
+    append_positions,
+    fill_positions,
+    frame_span_extent,
+    frame_span_positions,
+    grid_extent,
+    grid_positions,
+    prompt_positions,
+    split_positions,
+)
+from vtc.vllm.stages import holds_module, positions_from_previous_stage, positions_to_next_stage, with_stage_positions
 from vtc.vllm.vision import EncoderStatsCapture, tp_group
 
 Tensor = torch.Tensor
 logger = init_logger("vllm.vtc")  # under vLLM's logger, so `vllm serve` shows it at INFO
 LAST_KEPT: list[dict[str, Any]] = []  # the grid cells each video kept, newest last (tests and debugging)
+SETTINGS_FIELD = "vtc_settings"  # per-video multimodal field: the request's own vtc settings, as JSON bytes
 
 
-@functools.lru_cache(maxsize=16)
+# --- configs: the server's, and one request's -------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=64)
+def _config(server_json: str, request_json: str) -> ServeConfig:
+    config = ServeConfig.from_dict(json.loads(server_json))
+    request = json.loads(request_json)
+    return config.for_request(request) if request else config
+
+
+@functools.lru_cache(maxsize=64)
 def _pipeline(config_json: str, family: str) -> Pipeline:
     return ServeConfig.from_dict(json.loads(config_json)).pipeline(family)
 
 
+def config_pipeline(config: ServeConfig, family: str) -> Pipeline:
+    """The (cached) pipeline a config runs on `family`."""
+    return _pipeline(json.dumps(config.to_dict(), sort_keys=True), family)
+
+
+def server_config(hf_config) -> ServeConfig | None:
+    """The config a served model was started with, or None when it runs without vtc."""
+    raw = getattr(hf_config, CONFIG_ATTR, None)
+    return _config(json.dumps(raw, sort_keys=True), "{}") if raw else None
+
+
 def serving_pipeline(hf_config, family: str) -> Pipeline | None:
-    """The pipeline of a served model, or None when the server runs without vtc."""
-    config = getattr(hf_config, CONFIG_ATTR, None)
-    if not config:
-        return None
-    return _pipeline(json.dumps(config, sort_keys=True), family)
+    """The pipeline of a served model at its own settings, or None when the server runs without vtc."""
+    config = server_config(hf_config)
+    return None if config is None else config_pipeline(config, family)
+
+
+def request_config(server: ServeConfig, settings: dict[str, Any]) -> ServeConfig:
+    """`server` with one request's settings applied (ValueError naming what the server allows)."""
+    return _config(json.dumps(server.to_dict(), sort_keys=True), json.dumps(settings, sort_keys=True))
+
+
+def encode_settings(settings: dict[str, Any]) -> Tensor:
+    """A request's settings as a uint8 tensor, the form a multimodal field can carry to the model."""
+    return torch.tensor(list(json.dumps(settings, sort_keys=True).encode()), dtype=torch.uint8)
+
+
+def decode_settings(value: Any) -> dict[str, Any]:
+    data = value.tolist() if isinstance(value, torch.Tensor) else list(value)
+    return json.loads(bytes(data).decode()) if data else {}
 
 
 def _geometry(family: str, hf_config) -> FamilyGeometry:
@@ -96,22 +148,26 @@ def _geometry(family: str, hf_config) -> FamilyGeometry:
 
 
 class Serving:
-    """One served model's compression: the pipeline, the vision statistics it reads, the connect engine call."""
+    """One served model's compression: the configs its videos run with, the vision statistics they read, the
+    connect engine call. `begin_call` takes the settings of the videos one `embed_multimodal` call encodes."""
 
     def __init__(self, model: torch.nn.Module, family: str, config: ServeConfig) -> None:
         self.family = family
-        tower = model.visual if hasattr(model, "visual") else model.vision_tower  # Qwen / LLaVA
+        self.model = model
+        self.tower = model.visual if hasattr(model, "visual") else model.vision_tower  # Qwen / LLaVA
+        # under vLLM's V2 runner with pipeline parallel, stages after the first hold no vision tower: only the
+        # first stage encodes, so the others skip statistics and compression (they never see a video)
+        self.encodes = holds_module(self.tower)
         self.config = config
-        self.pipeline = config.pipeline(family)
-        hf_config = model.config
-        self.geometry = _geometry(family, hf_config)
-        stats = self.pipeline.vision_stats(family)
-        self.stats = EncoderStatsCapture(family, tower, hf_config, stats, qwen=self.geometry.mrope) if stats else None
-        # pre-pool features exist on LLaVA families only (Qwen's 2x2 merge is inside the vision tower)
-        needs_prepool = self.pipeline.needs_prepool and self.geometry.has_prepool_grid
-        self.prepool = _prepool_capture(model, family) if needs_prepool else None
+        self.pipeline = config_pipeline(config, family)
+        self.geometry = _geometry(family, model.config)
+        self._captures: dict[frozenset, EncoderStatsCapture] = {}
+        self._prepool_capture: PrepoolCapture | None = None
+        self._configs: list[ServeConfig] = []
         self._vision: list[dict] = []
         self._prepool: list[Tensor] | None = None
+        if self.encodes:
+            self.stats_capture(self.pipeline)  # checks the statistics the server's methods read, at start
 
     @classmethod
     def create(cls, model: torch.nn.Module, vllm_config, family: str) -> "Serving | None":
@@ -120,61 +176,111 @@ class Serving:
         )
         if not raw:
             return None
-        config = ServeConfig.from_dict(raw)
-        serving = cls(model, family, config)
+        serving = cls(model, family, ServeConfig.from_dict(raw))
         _check_encoder_parallelism(vllm_config, serving)
         return serving
 
+    @property
+    def stats(self) -> EncoderStatsCapture | None:
+        """The statistics capture of the server's own settings (None when its methods read none)."""
+        return self.stats_capture(self.pipeline) if self.encodes else None
+
+    def stats_capture(self, *pipelines: Pipeline) -> EncoderStatsCapture | None:
+        """One capture for every vision statistic any of `pipelines` reads (None: they read none)."""
+        stats = frozenset().union(*(p.vision_stats(self.family) for p in pipelines))
+        if not stats:
+            return None
+        if stats not in self._captures:
+            self._captures[stats] = EncoderStatsCapture(
+                self.family, self.tower, self.model.config, set(stats), qwen=self.geometry.mrope
+            )
+        return self._captures[stats]
+
+    def begin_call(self, settings: Any) -> None:
+        """The settings of each video of this `embed_multimodal` call (`vtc_settings`; absent: the server's)."""
+        rows = [] if settings is None else list(settings)
+        self._configs = [request_config(self.config, decode_settings(row)) for row in rows]
+
+    def config_of(self, index: int) -> ServeConfig:
+        return self._configs[index] if index < len(self._configs) else self.config
+
     def encode(self, run, grids: list[tuple[int, int, int]], grid_thw: Tensor | None = None):
-        """Run the vision encoder (`run()`), capturing what the connect methods read for these videos."""
+        """Run the vision encoder (`run()`), capturing what the connect methods of these videos read."""
+        if not self.encodes:
+            raise RuntimeError("vtc: this pipeline stage holds no vision tower, yet it was asked to encode")
+        pipelines = [config_pipeline(self.config_of(k), self.family) for k in range(len(grids))]
+        capture = self.stats_capture(*pipelines)
+        needs_prepool = any(p.needs_prepool for p in pipelines) and self.geometry.has_prepool_grid
+        prepool = self._prepool_of() if needs_prepool else None
         frames = [g[0] for g in grids]
-        if self.stats is None and self.prepool is None:
+        self._vision, self._prepool = [{} for _ in grids], None
+        if capture is None and prepool is None:
             return run()
-        if self.prepool is not None:
-            self.prepool.install()
+        if prepool is not None:
+            prepool.install()
         try:
-            if self.stats is not None:
-                with self.stats.capturing(grid_thw, sum(frames)):
+            if capture is not None:
+                with capture.capturing(grid_thw, sum(frames)):
                     out = run()
-                self._vision = self.stats.per_video(grids)
+                self._vision = capture.per_video(grids)
             else:
                 out = run()
-            if self.prepool is not None:
-                self._prepool = self.prepool.per_video(frames)
+            if prepool is not None:
+                self._prepool = prepool.per_video(frames)
         finally:
-            if self.prepool is not None:
-                self.prepool.remove()
+            if prepool is not None:
+                prepool.remove()
         return out
 
+    def _prepool_of(self) -> PrepoolCapture:
+        if self._prepool_capture is None:
+            self._prepool_capture = _prepool_capture(self.model, self.family)
+        return self._prepool_capture
+
     def compress(
-        self, embeds: Tensor, grid: tuple[int, int, int], index: int, extras: dict[str, Tensor] | None = None
+        self,
+        embeds: Tensor,
+        grid: tuple[int, int, int],
+        index: int,
+        extras: dict[str, Tensor] | None = None,
+        timestamps: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-        """One video through the connect engine -> (embeds, grid cells, extras) of the survivors, frame by frame."""
+        """Video `index` of this call through the connect engine -> (embeds, grid cells, extras) of the survivors:
+        frames in order, each frame's tokens in the order the methods returned them (as vtc's HF backend)."""
+        config = self.config_of(index)
+        pipeline = config_pipeline(config, self.family)
         ctx = Context(
-            retention=self.pipeline.retention,
+            retention=pipeline.retention,
             family=self.family,
             geometry=self.geometry,
             video_index=index,
-            generator=torch.Generator(device="cpu").manual_seed(self.config.seed),
+            generator=torch.Generator(device="cpu").manual_seed(config.seed),
             vision=self._vision[index] if index < len(self._vision) else {},
         )
         if self._prepool is not None:
-            ctx.prepool, ctx.pool, ctx.project = self._prepool[index], self.prepool.pool, self.prepool.projection
-        self.pipeline.begin_prompt()
-        _, out = connect_video(self.pipeline, embeds, grid, ctx, extras=extras)
-        promised = self.pipeline.retained_count(grid)
+            capture = self._prepool_of()
+            ctx.prepool, ctx.pool, ctx.project = self._prepool[index], capture.pool, capture.projection
+        pipeline.begin_prompt()
+        _, out = connect_video(pipeline, embeds, grid, ctx, extras=extras, timestamps=timestamps)
+        promised = pipeline.retained_count(grid)
         if promised is not None and promised != len(out):
             raise RuntimeError(
-                f"vtc: {self.pipeline.spec!r} promised {promised} tokens for a video with grid {grid} but kept "
+                f"vtc: {pipeline.spec!r} promised {promised} tokens for a video with grid {grid} but kept "
                 f"{len(out)}; the prompt was sized for {promised}"
             )
         logger.info(
-            "vtc %s: video %d, grid %s: kept %d of %d tokens", self.pipeline.spec, index, grid, len(out), len(embeds)
+            "vtc %s: video %d, grid %s: kept %d of %d tokens", pipeline.spec, index, grid, len(out), len(embeds)
         )
         embeds_out, cells, extras_out = _same_on_every_rank(out.embeds, grid_cells(out), out.extras)
-        # the HF backend's layout: frames in order, each frame's tokens in the order the plugin returned them
         order = torch.sort(torch.div(cells, grid[1] * grid[2], rounding_mode="floor"), stable=True).indices
-        LAST_KEPT.append({"family": self.family, "grid": grid, "cells": torch.sort(cells).values.cpu()})
+        LAST_KEPT.append(
+            {
+                "family": self.family,
+                "grid": grid,
+                "cells": torch.sort(cells).values.cpu(),
+                "retention": config.retention,
+            }
+        )
         del LAST_KEPT[:-64]
         kept_extras = {name: value[order] for name, value in extras_out.items()}
         return embeds_out[order].to(embeds.dtype), cells[order], kept_extras
@@ -231,64 +337,80 @@ def _qwen_grid(size: list[int], merge: int) -> tuple[int, int, int]:
     return t, h // merge, w // merge
 
 
-def _no_encoder_cudagraphs(config):
-    """vLLM's encoder CUDA graphs bypass `embed_multimodal`'s post-processing: keep them off for videos."""
-    if config is not None and dataclasses.is_dataclass(config) and hasattr(config, "modalities"):
-        return dataclasses.replace(config, modalities=[])
-    return config
+# --- processors (API server) -------------------------------------------------------------------------------------
 
 
-class _MRopeServing:
-    """The Qwen families: with vtc on, vLLM's pruning switches are on too, so the runner re-positions the prompt
-    after embed_multimodal (`recompute_mrope_positions`)."""
+class _VtcProcessor:
+    """What vtc's five processors share: a request's own settings (`mm_processor_kwargs={"vtc": {...}}`) are
+    checked against the server's config, kept out of the HF processor's arguments, and sent along with each video
+    (`vtc_settings`); each video's replacement is sized by the pipeline of its own settings. Families say how
+    (`_video_replacement`)."""
 
     family = ""
 
-    def __init__(self, *, vllm_config, prefix: str = "") -> None:
-        super().__init__(vllm_config=vllm_config, prefix=prefix)
-        self.vtc = Serving.create(self, vllm_config, self.family)
-        if self.vtc is not None:
-            self.is_multimodal_pruning_enabled = True
-            self.supports_multimodal_pruning = True
+    def _get_hf_mm_inputs(self, mm_items, hf_kwargs):
+        request = hf_kwargs.get(KEY)
+        inputs = super()._get_hf_mm_inputs(mm_items, _without_vtc(hf_kwargs))
+        server = server_config(self.info.get_hf_config())
+        if server is None:
+            if request is not None:
+                raise ValueError('this server runs without vtc: drop mm_processor_kwargs["vtc"]')
+            return inputs
+        settings = self._checked_settings(server, request)
+        videos = mm_items.get_count("video", strict=False)
+        if not videos:
+            return inputs
+        passthrough = {**inputs.passthrough_data, SETTINGS_FIELD: [encode_settings(settings)] * videos}
+        return inputs._replace(passthrough_data=passthrough)
 
+    def _checked_settings(self, server: ServeConfig, request: Any) -> dict[str, Any]:
+        """The request's settings, once the server allows them and they build a pipeline (else ValueError)."""
+        if request is None:
+            return {}
+        config = request_config(server, request)
+        try:
+            config_pipeline(config, self.family)
+        except ValueError as err:
+            raise ValueError(f'mm_processor_kwargs["vtc"]: {err}') from None
+        return dict(request)
 
-class _QwenServing(_MRopeServing):
-    """What Qwen2-VL and Qwen2.5-VL share: compress each video, append its survivors' M-RoPE positions."""
+    def _get_mm_fields_config(self, hf_inputs, hf_processor_mm_kwargs):
+        fields = dict(super()._get_mm_fields_config(hf_inputs, _without_vtc(hf_processor_mm_kwargs)))
+        if SETTINGS_FIELD in hf_inputs:
+            fields[SETTINGS_FIELD] = MultiModalFieldConfig.batched("video", keep_on_cpu=True)
+        return fields
 
-    def _process_video_input(self, video_input):
-        run = functools.partial(super()._process_video_input, video_input)
-        return run() if self.vtc is None else self._vtc_videos(run, video_input)
+    def _item_pipeline(self, item) -> Pipeline:
+        server = server_config(self.info.get_hf_config())
+        settings = decode_settings(item[SETTINGS_FIELD].data) if SETTINGS_FIELD in item else {}
+        return config_pipeline(request_config(server, settings), self.family)
 
-    def _vtc_videos(self, run, video_input) -> tuple[Tensor, ...]:
-        grid_thw = video_input["video_grid_thw"]
-        merge = self.visual.spatial_merge_size
-        grids = [_qwen_grid(size, merge) for size in grid_thw.tolist()]
-        split = self.vtc.encode(run, grids, grid_thw)
-        seconds = video_input.get("second_per_grid_ts")
-        rate = float(getattr(self.config.vision_config, "tokens_per_second", 1.0) or 1.0)
+    def _get_prompt_updates(self, mm_items, hf_processor_mm_kwargs, out_mm_kwargs):
+        updates = super()._get_prompt_updates(mm_items, _without_vtc(hf_processor_mm_kwargs), out_mm_kwargs)
+        if server_config(self.info.get_hf_config()) is None:
+            return updates
+        _warn_uncompressed_images(mm_items.get_count("image", strict=False))
         out = []
-        for k, (emb, size) in enumerate(zip(split, grid_thw.tolist())):
-            kept, cells, _ = self.vtc.compress(emb, grids[k], k)
-            per_grid = float(seconds[k]) if seconds is not None else 1.0
-            if seconds is not None:
-                per_grid = int(per_grid)  # vLLM casts second_per_grid_ts to long, as transformers does
-            positions = compute_mrope_for_media(torch.tensor(size), merge, rate, per_grid)[cells.cpu()]
-            out.append(torch.cat([kept, positions.to(kept.device, kept.dtype)], dim=1))
-        return tuple(out)
+        for update in updates:
+            if isinstance(update, PromptReplacement) and update.modality == "video":
+                original = update.replacement
+
+                def replacement(item_idx: int, original=original):
+                    item = out_mm_kwargs["video"][item_idx]
+                    return self._video_replacement(item_idx, original, self._item_pipeline(item), item, mm_items)
+
+                update = PromptReplacement(modality="video", target=update.target, replacement=replacement)
+            out.append(update)
+        return out
+
+    def _video_replacement(self, item_idx: int, original, pipeline: Pipeline, item, mm_items):
+        raise NotImplementedError
 
 
-# --- Qwen2-VL ---------------------------------------------------------------------------------------------------
-
-
-def _wrap_video_replacement(updates, make, mm_items):
-    """Prompt updates with the video replacement rebuilt by `make(original_replacement)`."""
-    _warn_uncompressed_images(mm_items.get_count("image", strict=False))
-    out = []
-    for update in updates:
-        if isinstance(update, PromptReplacement) and update.modality == "video":
-            update = PromptReplacement(modality="video", target=update.target, replacement=make(update.replacement))
-        out.append(update)
-    return out
+def _without_vtc(kwargs):
+    """Processor kwargs without the request's vtc settings: they are vtc's, not the HF processor's (vLLM still
+    hashes them into the request's cache keys)."""
+    return {name: value for name, value in kwargs.items() if name != KEY} if KEY in kwargs else kwargs
 
 
 @functools.lru_cache(maxsize=1)
@@ -304,28 +426,186 @@ def _warn_uncompressed_images(count: int) -> None:
         )
 
 
-class _QwenProcessorMixin:
+class _QwenProcessor(_VtcProcessor):
+    """Qwen2-VL and Qwen2.5-VL: `retained_count(grid)` video placeholders."""
+
+    def _video_replacement(self, item_idx, original, pipeline, item, mm_items):
+        merge = self.info.get_hf_config().vision_config.spatial_merge_size
+        grid = _qwen_grid(item["video_grid_thw"].data.tolist(), merge)
+        return [original(item_idx)[0]] * pipeline.retained_count(grid)
+
+
+class _Qwen3Processor(_VtcProcessor):
+    """Qwen3-VL: the whole per-video span (timestamps, frame markers, video tokens) is filled by the model, which
+    knows how many tokens each frame kept (vLLM's own pruning layout); only its length is fixed here. The count is
+    spread evenly over the frames, so at retention 1.0 the prompt's token ids are stock vLLM's."""
+
+    def _video_replacement(self, item_idx, original, pipeline, item, mm_items):
+        hf_config = self.info.get_hf_config()
+        grid = _qwen_grid(item["video_grid_thw"].data.tolist(), hf_config.vision_config.spatial_merge_size)
+        frames, count = grid[0], pipeline.retained_count(grid)
+        return Qwen3VLMultiModalProcessor.get_video_repl(
+            tokens_per_frame=[count // frames + (f < count % frames) for f in range(frames)],
+            timestamps=item["timestamps"].data,
+            tokenizer=self.info.get_tokenizer(),
+            vision_start_token_id=hf_config.vision_start_token_id,
+            vision_end_token_id=hf_config.vision_end_token_id,
+            video_token_id=hf_config.video_token_id,
+            select_token_id=False,
+        )
+
+
+class _LlavaProcessor(_VtcProcessor):
+    """LLaVA families: `retained_count(grid)` video placeholders, then the tokens that are not compressed
+    (`trailing`: LLaVA-OneVision's newline)."""
+
+    trailing = 0
+
+    def _video_replacement(self, item_idx, original, pipeline, item, mm_items):
+        from vllm.multimodal.parse import VideoProcessorItems
+
+        full = original(item_idx)
+        videos = mm_items.get_items("video", (VideoProcessorItems,))  # embeddings given by the client: refused
+        grid = _llava_grid(len(full) - self.trailing, videos.get_num_frames(item_idx))
+        return [full[0]] * (pipeline.retained_count(grid) + self.trailing)
+
+
+def _llava_grid(tokens: int, frames: int) -> tuple[int, int, int]:
+    per_frame = tokens // frames
+    side = math.isqrt(per_frame)
+    if side * side != per_frame or per_frame * frames != tokens:
+        raise ValueError(f"vtc: {tokens} video tokens over {frames} frames is not a square grid per frame")
+    return frames, side, side
+
+
+# --- models (workers) --------------------------------------------------------------------------------------------
+
+
+class _ServingModel:
+    """What vtc's five model classes share: the `Serving` of a vtc config (None: vLLM's class, unchanged), and
+    each `embed_multimodal` call handing it its videos' settings."""
+
     family = ""
 
-    def _get_prompt_updates(self, mm_items, hf_processor_mm_kwargs, out_mm_kwargs):
-        updates = super()._get_prompt_updates(mm_items, hf_processor_mm_kwargs, out_mm_kwargs)
-        pipeline = serving_pipeline(self.info.get_hf_config(), self.family)
-        if pipeline is None:
-            return updates
-        merge = self.info.get_hf_config().vision_config.spatial_merge_size
+    def __init__(self, *, vllm_config, prefix: str = "") -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self.vtc = Serving.create(self, vllm_config, self.family)
 
-        def make(original):
-            def replacement(item_idx: int):
-                full = original(item_idx)
-                grid = _qwen_grid(out_mm_kwargs["video"][item_idx]["video_grid_thw"].data.tolist(), merge)
-                return [full[0]] * pipeline.retained_count(grid)
-
-            return replacement
-
-        return _wrap_video_replacement(updates, make, mm_items)
+    def embed_multimodal(self, **kwargs: object):
+        settings = kwargs.pop(SETTINGS_FIELD, None)
+        if self.vtc is not None:
+            self.vtc.begin_call(settings)
+        return super().embed_multimodal(**kwargs)
 
 
-class VtcQwen2VLProcessor(_QwenProcessorMixin, Qwen2VLMultiModalProcessor):
+class _MRopeServing(_ServingModel):
+    """The Qwen families with vtc on: vtc's own M-RoPE positions (`vtc.vllm.positions`), with vLLM's pruning switches
+    on so that the runner hands every chunk of media embeddings to `recompute_mrope_positions` before the LLM
+    reads it. Every image and video embedding carries its slots' relative positions in extra columns, which
+    `recompute_mrope_positions` strips. Under pipeline parallel, the first stage's positions travel to the next
+    stages with the hidden states (only the first stage sees the media)."""
+
+    def __init__(self, *, vllm_config, prefix: str = "") -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        if self.vtc is not None:
+            self.is_multimodal_pruning_enabled = True
+            self.supports_multimodal_pruning = True
+            self.make_empty_intermediate_tensors = with_stage_positions(self.make_empty_intermediate_tensors)
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs):
+        if self.vtc is None:
+            return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
+        positions, intermediate_tensors = positions_from_previous_stage(positions, intermediate_tensors)
+        out = super().forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
+        return positions_to_next_stage(out, positions)
+
+    # positions -------------------------------------------------------------------------------------------------
+    def get_mrope_input_positions(self, input_tokens, mm_features):
+        """Stock positions for the text, marked slots for the media (filled once the media is encoded)."""
+        if self.vtc is None:
+            return super().get_mrope_input_positions(input_tokens, mm_features)
+        spans = [
+            MediaSpan(f.mm_position.offset, f.mm_position.length, self._media_extent(f, input_tokens))
+            for f in mm_features
+        ]
+        return prompt_positions(len(input_tokens), spans)
+
+    def recompute_mrope_positions(self, input_ids, multimodal_embeddings, mrope_positions, num_computed_tokens):
+        """Strip the relative positions off this chunk's media embeddings and write them into the prompt."""
+        if self.vtc is None:
+            return super().recompute_mrope_positions(
+                input_ids, multimodal_embeddings, mrope_positions, num_computed_tokens
+            )
+        parts = [split_positions(item) for item in multimodal_embeddings]
+        positions, delta = fill_positions(mrope_positions, [rel for _, rel in parts], num_computed_tokens)
+        return [embeds for embeds, _ in parts], positions, delta
+
+    def _media_extent(self, feature, input_tokens) -> int:
+        merge = self.config.vision_config.spatial_merge_size
+        if feature.modality == "image":
+            return grid_extent(_qwen_grid(feature.data["image_grid_thw"].data.tolist(), merge))
+        seconds = feature.data.get("second_per_grid_ts")
+        grid = _qwen_grid(feature.data["video_grid_thw"].data.tolist(), merge)
+        return grid_extent(grid, self._t_factor(None if seconds is None else seconds.data.item()))
+
+    def _t_factor(self, seconds: float | None) -> float:
+        """Stock M-RoPE time step per temporal patch: seconds per patch (a float) x tokens per second."""
+        rate = getattr(self.config.vision_config, "tokens_per_second", 1.0)
+        return (1.0 if seconds is None else float(seconds)) * rate
+
+    # images pass uncompressed, with their positions --------------------------------------------------------------
+    def _process_image_input(self, image_input):
+        images = super()._process_image_input(image_input)
+        if self.vtc is None:
+            return images
+        merge = self.visual.spatial_merge_size
+        grids = [_qwen_grid(size, merge) for size in image_input["image_grid_thw"].tolist()]
+        return tuple(append_positions(emb, grid_positions(grid)) for emb, grid in zip(images, grids))
+
+    def _postprocess_image_embeds_evs(self, image_embeds_split, image_input):
+        if self.vtc is None:
+            return super()._postprocess_image_embeds_evs(image_embeds_split, image_input)
+        return image_embeds_split  # positioned by _process_image_input already
+
+    def get_encoder_cudagraph_config(self):
+        """vLLM's encoder CUDA graphs bypass `embed_multimodal`'s post-processing: off for every modality."""
+        config = super().get_encoder_cudagraph_config()
+        if self.vtc is None or config is None or not hasattr(config, "modalities"):
+            return config
+        return dataclasses.replace(config, modalities=[])
+
+
+class _QwenServing(_MRopeServing):
+    """Qwen2-VL and Qwen2.5-VL: a video is one grid; its survivors carry their cells' stock positions."""
+
+    def _process_video_input(self, video_input):
+        run = functools.partial(super()._process_video_input, video_input)
+        if self.vtc is None:
+            return run()
+        grid_thw = video_input["video_grid_thw"]
+        merge = self.visual.spatial_merge_size
+        grids = [_qwen_grid(size, merge) for size in grid_thw.tolist()]
+        split = self.vtc.encode(run, grids, grid_thw)
+        seconds = video_input.get("second_per_grid_ts")
+        out = []
+        for k, (emb, grid) in enumerate(zip(split, grids)):
+            # seconds of each temporal patch, as the HF backend gives them (Qwen2.5-VL; Qwen2-VL carries none)
+            times = None if seconds is None else torch.arange(grid[0], dtype=torch.float32) * float(seconds[k])
+            kept, cells, _ = self.vtc.compress(emb, grid, k, timestamps=times)
+            t_factor = self._t_factor(None if seconds is None else float(seconds[k]))
+            out.append(append_positions(kept, grid_positions(grid, t_factor)[cells.cpu()]))
+        return tuple(out)
+
+    def _postprocess_video_embeds_evs(self, video_embeds_split, video_input):
+        if self.vtc is None:
+            return super()._postprocess_video_embeds_evs(video_embeds_split, video_input)
+        return video_embeds_split  # compressed and positioned by _process_video_input already
+
+
+# --- Qwen2-VL ---------------------------------------------------------------------------------------------------
+
+
+class VtcQwen2VLProcessor(_QwenProcessor, Qwen2VLMultiModalProcessor):
     family = "qwen2_vl"
 
 
@@ -335,24 +615,11 @@ class VtcQwen2VLProcessor(_QwenProcessorMixin, Qwen2VLMultiModalProcessor):
 class VtcQwen2VL(_QwenServing, Qwen2VLForConditionalGeneration):
     family = "qwen2_vl"
 
-    def _process_image_input(self, image_input):
-        embeds = super()._process_image_input(image_input)
-        if self.vtc is None:
-            return embeds
-        return Qwen2_5_VLForConditionalGeneration._postprocess_image_embeds_evs(self, embeds, image_input)
-
-    # vLLM's own position fix-up after pruning (written for Qwen2.5-VL; it only reads the config's token ids)
-    recompute_mrope_positions = Qwen2_5_VLForConditionalGeneration.recompute_mrope_positions
-
-    def get_encoder_cudagraph_config(self):
-        config = super().get_encoder_cudagraph_config()
-        return config if self.vtc is None else _no_encoder_cudagraphs(config)
-
 
 # --- Qwen2.5-VL -------------------------------------------------------------------------------------------------
 
 
-class VtcQwen2_5_VLProcessor(_QwenProcessorMixin, Qwen2_5_VLMultiModalProcessor):
+class VtcQwen2_5_VLProcessor(_QwenProcessor, Qwen2_5_VLMultiModalProcessor):
     family = "qwen2_5_vl"
 
 
@@ -362,80 +629,31 @@ class VtcQwen2_5_VLProcessor(_QwenProcessorMixin, Qwen2_5_VLMultiModalProcessor)
 class VtcQwen2_5_VL(_QwenServing, Qwen2_5_VLForConditionalGeneration):
     family = "qwen2_5_vl"
 
-    def _postprocess_video_embeds_evs(self, video_embeds_split, video_input):
-        if self.vtc is None:
-            return super()._postprocess_video_embeds_evs(video_embeds_split, video_input)
-        return video_embeds_split  # compressed and positioned by _process_video_input already
-
 
 # --- Qwen3-VL ---------------------------------------------------------------------------------------------------
 
 
-class VtcQwen3VLProcessor(Qwen3VLMultiModalProcessor):
+class VtcQwen3VLProcessor(_Qwen3Processor, Qwen3VLMultiModalProcessor):
     family = "qwen3_vl"
-
-    def _get_prompt_updates(self, mm_items, hf_processor_mm_kwargs, out_mm_kwargs):
-        updates = super()._get_prompt_updates(mm_items, hf_processor_mm_kwargs, out_mm_kwargs)
-        hf_config = self.info.get_hf_config()
-        pipeline = serving_pipeline(hf_config, self.family)
-        if pipeline is None:
-            return updates
-        merge = hf_config.vision_config.spatial_merge_size
-        tokenizer = self.info.get_tokenizer()
-
-        def make(original):
-            def replacement(item_idx: int):
-                item = out_mm_kwargs["video"][item_idx]
-                grid = _qwen_grid(item["video_grid_thw"].data.tolist(), merge)
-                # the whole per-video span (timestamps, frame markers, video tokens) is filled by the model,
-                # which knows how many tokens each frame kept; only its length is fixed here (vLLM's own layout)
-                return Qwen3VLMultiModalProcessor.get_video_repl(
-                    tokens_per_frame=[pipeline.retained_count(grid)] + [0] * (grid[0] - 1),
-                    timestamps=item["timestamps"].data,
-                    tokenizer=tokenizer,
-                    vision_start_token_id=hf_config.vision_start_token_id,
-                    vision_end_token_id=hf_config.vision_end_token_id,
-                    video_token_id=hf_config.video_token_id,
-                    select_token_id=False,
-                )
-
-            return replacement
-
-        return _wrap_video_replacement(updates, make, mm_items)
 
 
 @MULTIMODAL_REGISTRY.register_processor(
     VtcQwen3VLProcessor, info=Qwen3VLProcessingInfo, dummy_inputs=Qwen3VLDummyInputsBuilder
 )
 class VtcQwen3VL(_MRopeServing, Qwen3VLForConditionalGeneration):
+    """A video's prompt span holds its frames' timestamp text and markers too; the model lays it out once it knows
+    how many tokens each frame kept (vLLM's own pruning layout), in the order vtc's HF backend uses."""
+
     family = "qwen3_vl"
 
-    def recompute_mrope_positions(self, input_ids, multimodal_embeddings, mrope_positions, num_computed_tokens):
-        """vLLM's position fix-up, told where each video span starts. transformers >= 5.10 processors keep the
-        prompt's outer `<|vision_start|>` before a video's first timestamp, and vLLM's helper would take that
-        marker for the first frame's and misplace the span (vLLM's own EVS fails the same way on Qwen3-VL);
-        hiding outer markers from it (a marker followed by timestamp text, not by video/image tokens or an end
-        marker) makes it find the first frame's marker, so the span starts right after the outer one."""
-        if self.vtc is None:
-            return super().recompute_mrope_positions(
-                input_ids, multimodal_embeddings, mrope_positions, num_computed_tokens
-            )
-        config = self.config
-        device = multimodal_embeddings[0].device if len(multimodal_embeddings) else mrope_positions.device
-        ids = torch.as_tensor(input_ids, dtype=torch.long, device=device).clone()
-        following = torch.full_like(ids, -1)
-        following[:-1] = ids[1:]
-        inner = torch.tensor([config.video_token_id, config.vision_end_token_id, config.image_token_id], device=device)
-        ids[(ids == config.vision_start_token_id) & ~torch.isin(following, inner)] = -1
-        return self._recompute_mrope_positions(
-            input_ids=ids,
-            multimodal_embeddings=multimodal_embeddings,
-            mrope_positions=mrope_positions,
-            num_computed_tokens=num_computed_tokens,
-            image_token_id=config.image_token_id,
-            video_token_id=config.video_token_id,
-            vision_start_token_id=config.vision_start_token_id,
-        )
+    def _media_extent(self, feature, input_tokens) -> int:
+        if feature.modality == "image":
+            return super()._media_extent(feature, input_tokens)
+        merge = self.config.vision_config.spatial_merge_size
+        frames, h, w = _qwen_grid(feature.data["video_grid_thw"].data.tolist(), merge)
+        span = input_tokens[feature.mm_position.offset : feature.mm_position.offset + feature.mm_position.length]
+        text = sum(1 for token in span if token != self.config.video_token_id)
+        return frame_span_extent(text, frames, (h, w))
 
     def _process_video_input(self, video_input):
         run = functools.partial(super()._process_video_input, video_input)
@@ -449,67 +667,48 @@ class VtcQwen3VL(_MRopeServing, Qwen3VLForConditionalGeneration):
         if self.vtc is None:
             return super()._postprocess_video_embeds_evs(video_embeds_split, video_input)
         merge = self.visual.spatial_merge_size
-        out = []
-        for k, (emb, size) in enumerate(zip(video_embeds_split, video_input["video_grid_thw"].tolist())):
-            grid = _qwen_grid(size, merge)
-            main, deepstack = emb[:, : self.visual_dim], emb[:, self.visual_dim :]
-            extras = {"deepstack": deepstack} if deepstack.shape[1] else None
-            kept, cells, side = self.vtc.compress(main, grid, k, extras)
-            raster = torch.sort(cells, stable=True).indices  # vLLM's layout below takes the survivors in grid order
-            kept, cells, side = kept[raster], cells[raster], {name: v[raster] for name, v in side.items()}
-            if torch.unique(cells).numel() != cells.numel():
-                raise RuntimeError(
-                    f"vtc: {self.vtc.pipeline.spec!r} let two tokens share a grid cell, which Qwen3-VL's interleaved "
-                    "layout in vLLM cannot express; use another method on Qwen3-VL"
-                )
-            mask = torch.zeros(grid[0] * grid[1] * grid[2], dtype=torch.bool, device=emb.device)
-            mask[cells.to(emb.device)] = True
-            kept_full = torch.cat([kept, side["deepstack"]], dim=1) if extras else kept
-            per_frame = torch.bincount(cells // (grid[1] * grid[2]), minlength=grid[0]).tolist()
-            out.append(
-                self._create_final_video_embeddings(
-                    video_embeddings=kept_full,
-                    num_tokens_per_frame=per_frame,
-                    timestamps=video_input.timestamps[k],
-                    video_grid_thw=size,
-                    retention_mask=mask,
-                )
-            )
-        return tuple(out)
+        return tuple(
+            self._video_span(emb, _qwen_grid(size, merge), video_input.timestamps[k], k)
+            for k, (emb, size) in enumerate(zip(video_embeds_split, video_input["video_grid_thw"].tolist()))
+        )
+
+    def _video_span(self, emb: Tensor, grid: tuple[int, int, int], timestamps, index: int) -> Tensor:
+        """One video's whole prompt span: text embeddings of its timestamps and markers, its survivors frame by
+        frame, DeepStack features on the survivors' slots, and every slot's relative position."""
+        config = self.config
+        frames, h, w = grid
+        main, deepstack = emb[:, : self.visual_dim], emb[:, self.visual_dim :]
+        kept, cells, side = self.vtc.compress(
+            main, grid, index, {"deepstack": deepstack} if deepstack.shape[1] else None
+        )
+        cells = cells.cpu()
+        per_frame = torch.bincount(torch.div(cells, h * w, rounding_mode="floor"), minlength=frames).tolist()
+        ids = torch.tensor(
+            Qwen3VLMultiModalProcessor.get_video_repl(
+                tokens_per_frame=per_frame,
+                timestamps=timestamps,
+                tokenizer=self._tokenizer,
+                vision_start_token_id=config.vision_start_token_id,
+                vision_end_token_id=config.vision_end_token_id,
+                video_token_id=config.video_token_id,
+                select_token_id=False,
+            ).full
+        )
+        is_video = ids == config.video_token_id
+        embeds = self.get_language_model().embed_input_ids(ids.to(emb.device)).to(kept.dtype)
+        embeds[is_video.to(emb.device)] = kept
+        parts = [embeds]
+        if deepstack.shape[1]:
+            slots = embeds.new_zeros(len(ids), deepstack.shape[1])
+            slots[is_video.to(emb.device)] = side["deepstack"].to(slots.dtype)
+            parts.append(slots)
+        local = cells % (h * w)
+        cells_hw = torch.stack([torch.div(local, w, rounding_mode="floor"), local % w], dim=1)
+        relative = frame_span_positions(is_video, ids == config.vision_start_token_id, cells_hw, (h, w))
+        return append_positions(torch.cat(parts, dim=1), relative)
 
 
 # --- LLaVA families ---------------------------------------------------------------------------------------------
-
-
-class _LlavaProcessorMixin:
-    family = ""
-    trailing = 0  # placeholder tokens after the frames that are not compressed (LLaVA-OneVision's newline)
-
-    def _get_prompt_updates(self, mm_items, hf_processor_mm_kwargs, out_mm_kwargs):
-        updates = super()._get_prompt_updates(mm_items, hf_processor_mm_kwargs, out_mm_kwargs)
-        pipeline = serving_pipeline(self.info.get_hf_config(), self.family)
-        if pipeline is None:
-            return updates
-        from vllm.multimodal.parse import VideoProcessorItems
-
-        def make(original):
-            def replacement(item_idx: int):
-                full = original(item_idx)
-                videos = mm_items.get_items("video", (VideoProcessorItems,))  # embeddings given by the client: refused
-                grid = _llava_grid(len(full) - self.trailing, videos.get_num_frames(item_idx))
-                return [full[0]] * (pipeline.retained_count(grid) + self.trailing)
-
-            return replacement
-
-        return _wrap_video_replacement(updates, make, mm_items)
-
-
-def _llava_grid(tokens: int, frames: int) -> tuple[int, int, int]:
-    per_frame = tokens // frames
-    side = math.isqrt(per_frame)
-    if side * side != per_frame or per_frame * frames != tokens:
-        raise ValueError(f"vtc: {tokens} video tokens over {frames} frames is not a square grid per frame")
-    return frames, side, side
 
 
 def _frames_per_video(pixels) -> list[int]:
@@ -518,13 +717,10 @@ def _frames_per_video(pixels) -> list[int]:
     return [int(v.shape[0]) for v in pixels]
 
 
-class _LlavaServing:
-    family = ""
-    trailing = 0
+class _LlavaServing(_ServingModel):
+    """1-D RoPE: vLLM numbers the compressed prompt's tokens in order, nothing to re-position."""
 
-    def __init__(self, *, vllm_config, prefix: str = "") -> None:
-        super().__init__(vllm_config=vllm_config, prefix=prefix)
-        self.vtc = Serving.create(self, vllm_config, self.family)
+    trailing = 0
 
     def _process_video_pixels(self, inputs):
         run = functools.partial(super()._process_video_pixels, inputs)
@@ -544,7 +740,7 @@ class _LlavaServing:
         return out
 
 
-class VtcLlavaOnevisionProcessor(_LlavaProcessorMixin, LlavaOnevisionMultiModalProcessor):
+class VtcLlavaOnevisionProcessor(_LlavaProcessor, LlavaOnevisionMultiModalProcessor):
     family = "llava_onevision"
     trailing = 1
 
@@ -557,7 +753,7 @@ class VtcLlavaOnevision(_LlavaServing, LlavaOnevisionForConditionalGeneration):
     trailing = 1
 
 
-class VtcLlavaNextVideoProcessor(_LlavaProcessorMixin, LlavaNextVideoMultiModalProcessor):
+class VtcLlavaNextVideoProcessor(_LlavaProcessor, LlavaNextVideoMultiModalProcessor):
     family = "llava_next_video"
 
 

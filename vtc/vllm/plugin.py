@@ -15,13 +15,20 @@ vLLM calls `register()` in every process it starts (API server, engine core, wor
    the runner encodes videos one at a time and calls the model's `recompute_mrope_positions`, which places
    the text after a compressed video right. vLLM's own pruning methods are not used: vtc's model classes
    replace the step that would call them.
-4. on vLLM's CPU build, makes the CPU runner honour the pruning switch as the GPU runner does (the CPU runner's
-   `load_model` never sets `is_multimodal_pruning_enabled`).
+4. lets a request's own vtc settings (`mm_processor_kwargs={"vtc": {...}}`) through vLLM's gate on per-request
+   processor kwargs. vLLM refuses all of them unless the server trusts its clients (`--trust-request-mm-kwargs`),
+   as they can change what preprocessing costs; vtc checks its own key against the server's config
+   (`request_settings`, `retention_range`) in its processor, so the gate keeps applying to every other key.
+5. on vLLM's CPU build, for a model served with vtc, makes the CPU runner do what the GPU runner does: honour the
+   pruning switch (the CPU runner's `load_model` never sets `is_multimodal_pruning_enabled`), and allocate the
+   buffers a pipeline stage after the first receives its inputs into (it never does, so pipeline parallel fails
+   on CPU without vtc as well).
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 
 from vtc.vllm.config import CONFIG_ATTR, KEY, MODEL_CLASSES, ServeConfig, family_of
 
@@ -35,6 +42,7 @@ def register() -> None:
     for arch, class_name in MODEL_CLASSES.items():
         ModelRegistry.register_model(arch, f"vtc.vllm.models:{class_name}")
     _hook_config()
+    _let_vtc_settings_through()
     _fix_cpu_runner()
 
 
@@ -80,6 +88,29 @@ def _hook_config() -> None:
     VllmConfig.__post_init__ = post_init
 
 
+def _let_vtc_settings_through() -> None:
+    try:
+        from vllm.entrypoints.generate.base import protocol
+    except ImportError:  # a vLLM without the gate
+        return
+    original = getattr(protocol, "validate_request_mm_kwargs", None)
+    if original is None or getattr(original, "_vtc", False):
+        return
+
+    @functools.wraps(original)
+    def validate(*args, mm_processor_kwargs=None, **kwargs):
+        if isinstance(mm_processor_kwargs, dict) and KEY in mm_processor_kwargs:
+            mm_processor_kwargs = {name: value for name, value in mm_processor_kwargs.items() if name != KEY}
+        return original(*args, mm_processor_kwargs=mm_processor_kwargs, **kwargs)
+
+    validate._vtc = True
+    # modules imported from here on bind the wrapper; those imported already bound the original by name
+    protocol.validate_request_mm_kwargs = validate
+    for module in list(sys.modules.values()):
+        if getattr(module, "validate_request_mm_kwargs", None) is original:
+            module.validate_request_mm_kwargs = validate
+
+
 def _fix_cpu_runner() -> None:
     try:
         from vllm.platforms import current_platform
@@ -96,12 +127,20 @@ def _fix_cpu_runner() -> None:
     @functools.wraps(original)
     def load_model(self, *args, **kwargs):
         out = original(self, *args, **kwargs)
+        from vllm.distributed import get_pp_group
         from vllm.model_executor.models.interfaces import supports_multimodal_pruning
 
+        model = self.get_model()
+        if getattr(model, "vtc", None) is None:
+            return out
         mm = self.model_config.multimodal_config
         self.is_multimodal_pruning_enabled = bool(
-            supports_multimodal_pruning(self.get_model()) and mm is not None and mm.is_multimodal_pruning_enabled()
+            supports_multimodal_pruning(model) and mm is not None and mm.is_multimodal_pruning_enabled()
         )
+        if not get_pp_group().is_first_rank and getattr(self, "intermediate_tensors", None) is None:
+            self.intermediate_tensors = model.make_empty_intermediate_tensors(
+                batch_size=self.max_num_tokens, dtype=self.model_config.dtype, device=self.device
+            )
         return out
 
     load_model._vtc = True

@@ -6,6 +6,8 @@ scattered them into the prompt, i.e. after the reorder, so nothing here depends 
 
 from __future__ import annotations
 
+import torch
+
 from vtc.hf.adapters.base import CapturedInputs, VideoSpan
 from vtc.hf.adapters.qwen2_vl import Qwen2VLAdapter, qwen_vision_stats
 
@@ -26,7 +28,14 @@ class Qwen2_5_VLAdapter(Qwen2VLAdapter):
         return qwen_vision_stats(self, calls, spans, layer_of, window_index)
 
     def _add_timestamps(self, spans: list[VideoSpan], captured: CapturedInputs) -> None:
-        """Seconds of each temporal patch, from M-RoPE time positions (t = tokens_per_second * seconds)."""
+        """Seconds of each temporal patch: `second_per_grid_ts` (one float per video, fractional above 2 fps) when
+        the forward got it, else read back from the M-RoPE time positions (t = tokens_per_second * seconds,
+        truncated, so only whole steps)."""
+        seconds = captured.kwargs.get("second_per_grid_ts")
+        if seconds is not None and len(seconds) == len(spans):
+            for span, step in zip(spans, torch.as_tensor(seconds).tolist()):
+                span.timestamps = torch.arange(span.grid[0], dtype=torch.float32) * float(step)
+            return
         positions = captured.kwargs.get("llm_position_ids")
         rate = float(self.model.config.vision_config.tokens_per_second)
         if positions is None or not rate:

@@ -1,0 +1,103 @@
+"""Prompts as users send them, on the HF backend: two videos in one prompt, and a video followed by an image, on
+every family; Qwen videos at a frame rate that makes seconds per temporal patch fractional. At retention 1.0 the
+logits are the unpatched model's; at 0.25 each video is compressed to its own `retained_count`, the image passes
+whole, and on the M-RoPE families every surviving token keeps its original (t, h, w) position while the text
+between and after the media keeps its own."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from PIL import Image
+
+import vtc
+from tests.conftest import FAMILIES
+from tests.positions_check import assert_positions_kept, video_slots
+from tests.probes import connect_inputs, llm_inputs
+from vtc.core.engine import grid_cells
+from vtc.media.video import synthetic_video
+from vtc.testing.fixtures import model_and_processor, prompt_inputs
+
+QWEN = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+SERVING = {"fixed_count": True}
+
+
+def clips(family: str):
+    """Two clips; the Qwen processors take videos of different sizes in one prompt, the LLaVA ones do not."""
+    first = synthetic_video(8, 224, 224, seed=0)
+    second = (
+        synthetic_video(8, 224, 224, seed=1) if family.startswith("llava") else synthetic_video(12, 192, 192, seed=1)
+    )
+    return first, second
+
+
+def picture():
+    return Image.fromarray(synthetic_video(1, 112, 140, seed=3)[0])
+
+
+def prompts(family: str) -> dict:
+    model, processor = model_and_processor(family)
+    first, second = clips(family)
+    out = {
+        "two videos": prompt_inputs(processor, [first, second]),
+        "video, image": prompt_inputs(processor, [first], [picture()]),
+    }
+    if family in QWEN:
+        out["3 fps"] = prompt_inputs(processor, [synthetic_video(12, 224, 224, seed=2)], fps=3)  # 2/3 s per patch
+    return out
+
+
+def original_positions(position_ids: torch.Tensor) -> torch.Tensor:
+    """[3, L] positions of row 0 (transformers may add a leading text row)."""
+    positions = position_ids[1:] if position_ids.shape[0] == 4 else position_ids
+    return positions[:, 0]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_several_media_in_one_prompt(family, monkeypatch):
+    model, _ = model_and_processor(family)
+    kept: list[torch.Tensor] = []
+    original = vtc.hf.patching.connect_video
+
+    def recording(*args, **kwargs):
+        tokens, out = original(*args, **kwargs)
+        kept.append(grid_cells(out).cpu())
+        return tokens, out
+
+    monkeypatch.setattr(vtc.hf.patching, "connect_video", recording)
+    for name, inputs in prompts(family).items():
+        with torch.no_grad():
+            reference = model(**inputs).logits
+            with vtc.patch(model, "random", retention=1.0):
+                same = model(**inputs).logits
+        assert torch.equal(same, reference), name
+
+        _, stock_positions, _ = llm_inputs(model, inputs)
+        kept.clear()
+        _, positions, handle = llm_inputs(model, inputs, "vidcom2", retention=0.25, **SERVING)
+        stats = handle.stats()
+        assert stats.videos == (2 if name == "two videos" else 1), name
+        promised = [handle.retained_count(grid) for grid in stats.grids]
+        assert stats.llm_tokens_per_video == promised == [len(k) for k in kept], name
+        assert len(set(stats.grids)) == stats.videos or family.startswith("llava"), name  # two different grids
+        image_id = getattr(model.config, "image_token_id", getattr(model.config, "image_token_index", None))
+        assert bool(inputs["input_ids"].eq(image_id).any()) == (name == "video, image"), name
+        # the image passes whole: only the videos' tokens are gone from the prompt
+        length = inputs["input_ids"].shape[1] - stats.visual_tokens_in + sum(promised)
+        if family in QWEN:
+            counts = [t * h * w for t, h, w in stats.grids]
+            slots = video_slots(inputs["input_ids"][0], model.config.video_token_id, counts)
+            assert_positions_kept(original_positions(stock_positions), positions[:, 0], slots, kept, length)
+        else:  # 1-D RoPE: vidcom2's LLaVA port renumbers the compressed prompt
+            assert torch.equal(positions[0], torch.arange(length))
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl"])
+def test_fractional_seconds_per_patch_reach_the_methods(family):
+    """At 3 fps a temporal patch (2 frames) lasts 2/3 s: the connect stage sees those timestamps, not the whole
+    M-RoPE steps (tokens_per_second x seconds, truncated) they were once read back from."""
+    model, _ = model_and_processor(family)
+    inputs = prompts(family)["3 fps"]
+    assert inputs["second_per_grid_ts"].tolist() == pytest.approx([2 / 3])
+    tokens, _ = connect_inputs(model, inputs)
+    assert tokens.timestamps.tolist() == pytest.approx([k * 2 / 3 for k in range(6)])
