@@ -673,13 +673,16 @@ def test_patched_onevision_sends_the_official_tokens_to_the_llm():
     assert (clip, inter, keep) == (4, True, 0.3)
     assert v == visual_token_num_for(0.2, tokens.grid, 0.3, 4, True, True)
     ref, _ = ref_aot_onevision(ctx.prepool, ctx.vision[TINY_SHALLOW], ctx.vision[DEEP], v, keep, 4)
-    torch.testing.assert_close(out.embeds, ref, rtol=1e-4, atol=1e-5)
+    # the same merges in another order of float operations: 2e-5 apart on AVX-512 machines, 1e-5 on AVX2 ones
+    torch.testing.assert_close(out.embeds, ref, rtol=1e-4, atol=5e-5)
     assert stats.visual_tokens_out == stats.llm_tokens_in == len(ref) == len(out) < stats.visual_tokens_in
     (record,) = [r for r in stats.stages if r.stage == "connect" and r.plugin == "aot"]
     assert (record.tokens_in, record.tokens_out) == (len(tokens), len(ref))
     video = inputs["input_ids"][0] == vtc.api.resolve_adapter(model).video_token_id
     start = int(torch.nonzero(video).flatten()[0])
-    torch.testing.assert_close(seen["embeds"][0, start : start + len(ref)], ref.to(seen["embeds"].dtype))
+    torch.testing.assert_close(
+        seen["embeds"][0, start : start + len(ref)], ref.to(seen["embeds"].dtype), rtol=1e-4, atol=5e-5
+    )
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "llava_next_video"])

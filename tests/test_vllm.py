@@ -360,6 +360,18 @@ def test_a_request_sets_its_own_retention(engines):
         [],
         [(grid, count[0.5], 0.25)],
     ]
+    # two requests in one batch, with and without their own setting: each video gets its request's count
+    from vllm import SamplingParams
+
+    requests = [video_request(tokenizer, clip(k + 5), QUESTION) for k in range(2)]
+    requests[1]["mm_processor_kwargs"] = {"vtc": {"retention": 0.5}}
+    vllm_models.LAST_KEPT.clear()
+    outs = engines.llm.generate(requests, SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+    assert [len(o.prompt_token_ids) for o in outs] == [lengths[0], lengths[1]]
+    assert sorted((len(k["cells"]), k["retention"]) for k in vllm_models.LAST_KEPT) == [
+        (count[0.25], 0.25),
+        (count[0.5], 0.5),
+    ]
     for settings, message in [
         ({"retention": 0.9}, r"retention must be in \[0.1, 0.8\] on this server"),
         ({"retention": 0}, r"retention must be in \(0, 1\]"),

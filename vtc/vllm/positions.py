@@ -75,16 +75,17 @@ def fill_positions(positions: Tensor, relative: Sequence[Tensor], start: int) ->
     """Write the positions of the media slots one chunk of embeddings fills. `relative` holds each item's (or
     item part's) relative positions [n, 3], in prompt order, as `split_positions` returns them; they fill the first
     marked slots at or after `start` (the tokens computed so far). Returns new positions and the delta."""
-    out = positions.clone()
     rows = [r for r in relative if r.numel()]
-    if rows:
-        rel = torch.cat([r.to(out.device, torch.long) for r in rows]).T  # [3, M]
-        pending = torch.nonzero(out[0, start:] < 0).flatten()[: rel.shape[1]] + start
-        if pending.numel() != rel.shape[1]:
-            raise RuntimeError(
-                f"vtc: {rel.shape[1]} media embeddings arrived for {pending.numel()} media slots after token {start}"
-            )
-        out[:, pending] = rel + (-1 - out[0, pending]).to(out.dtype)
+    if not rows:  # no media in this chunk (vLLM's V1 runner asks at every step, decoding included)
+        return positions, int(positions.max()) + 1 - positions.shape[1]
+    out = positions.clone()
+    rel = torch.cat([r.to(out.device, torch.long) for r in rows]).T  # [3, M]
+    pending = torch.nonzero(out[0, start:] < 0).flatten()[: rel.shape[1]] + start
+    if pending.numel() != rel.shape[1]:
+        raise RuntimeError(
+            f"vtc: {rel.shape[1]} media embeddings arrived for {pending.numel()} media slots after token {start}"
+        )
+    out[:, pending] = rel + (-1 - out[0, pending]).to(out.dtype)
     # text follows every media item in Qwen prompts (`<|vision_end|>`), so the largest written position is the stock
     # prompt's last one whether or not every slot is written yet
     return out, int(out.max()) + 1 - out.shape[1]
@@ -94,7 +95,8 @@ def append_positions(embeds: Tensor, relative: Tensor) -> Tensor:
     """`embeds` [n, D] with the slots' relative positions [n, 3] appended as base-256 digits: [n, D + 9]."""
     rel = relative.to(torch.long)
     if rel.numel() and (int(rel.min()) < 0 or int(rel.max()) >= DIGIT_BASE**DIGITS):
-        raise ValueError(f"vtc: relative M-RoPE positions must lie in [0, {DIGIT_BASE**DIGITS}), got {rel.min()}..")
+        low, high = int(rel.min()), int(rel.max())
+        raise ValueError(f"vtc: relative M-RoPE positions must lie in [0, {DIGIT_BASE**DIGITS}), got {low} to {high}")
     digits = [(rel // DIGIT_BASE**i) % DIGIT_BASE for i in range(DIGITS)]
     packed = torch.stack(digits, dim=-1).reshape(rel.shape[0], POSITION_CHANNELS)
     return torch.cat([embeds, packed.to(embeds.device, embeds.dtype)], dim=1)
