@@ -173,6 +173,9 @@ def _isolated_fallback(x: Tensor, alive_flat: Tensor) -> Tensor:
     idx = torch.nonzero(alive_flat).flatten()
     xn = F.normalize(_work(x[idx]), dim=-1)
     sim = xn @ xn.T
+    # a matmul need not give (i, j) and (j, i) the same last bit (it does not with AVX-512 kernels); two tokens that
+    # are each other's best match must tie exactly, so the lower index wins as the rule says
+    sim = torch.maximum(sim, sim.T)
     sim.fill_diagonal_(-math.inf)
     return idx[torch.argmax(sim.max(dim=1).values)].view(1)  # argmax: the first maximal value
 
