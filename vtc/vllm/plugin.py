@@ -19,10 +19,10 @@ vLLM calls `register()` in every process it starts (API server, engine core, wor
    processor kwargs. vLLM refuses all of them unless the server trusts its clients (`--trust-request-mm-kwargs`),
    as they can change what preprocessing costs; vtc checks its own key against the server's config
    (`request_settings`, `retention_range`) in its processor, so the gate keeps applying to every other key.
-5. on vLLM's CPU build, for a model served with vtc, makes the CPU runner do what the GPU runner does: honour the
-   pruning switch (the CPU runner's `load_model` never sets `is_multimodal_pruning_enabled`), and allocate the
-   buffers a pipeline stage after the first receives its inputs into (it never does, so pipeline parallel fails
-   on CPU without vtc as well).
+5. on vLLM's CPU build, makes the CPU runner do what the GPU runner does: honour the pruning switch (the CPU
+   runner's `load_model` never sets `is_multimodal_pruning_enabled`), and, for a model served with vtc, allocate
+   the buffers a pipeline stage after the first receives its inputs into (it never does, so pipeline parallel
+   fails on CPU without vtc as well).
 """
 
 from __future__ import annotations
@@ -131,12 +131,12 @@ def _fix_cpu_runner() -> None:
         from vllm.model_executor.models.interfaces import supports_multimodal_pruning
 
         model = self.get_model()
-        if getattr(model, "vtc", None) is None:
-            return out
         mm = self.model_config.multimodal_config
         self.is_multimodal_pruning_enabled = bool(
             supports_multimodal_pruning(model) and mm is not None and mm.is_multimodal_pruning_enabled()
         )
+        if getattr(model, "vtc", None) is None:
+            return out
         if not get_pp_group().is_first_rank and getattr(self, "intermediate_tensors", None) is None:
             self.intermediate_tensors = model.make_empty_intermediate_tensors(
                 batch_size=self.max_num_tokens, dtype=self.model_config.dtype, device=self.device
