@@ -89,11 +89,13 @@ def processor_video_kwargs(processor, sampled: list[SampledVideo]) -> dict[str, 
     return {}
 
 
-def build_messages(question: str, system: str | None = None) -> list[dict[str, Any]]:
+def build_messages(question: str, system: str | None = None, videos: int = 1, images: int = 0) -> list[dict[str, Any]]:
+    """A chat with one user turn: `videos` video entries, then `images` image entries, then the question."""
     messages: list[dict[str, Any]] = []
     if system:
         messages.append({"role": "system", "content": [{"type": "text", "text": system}]})
-    messages.append({"role": "user", "content": [{"type": "video"}, {"type": "text", "text": question}]})
+    content = [{"type": "video"}] * videos + [{"type": "image"}] * images + [{"type": "text", "text": question}]
+    messages.append({"role": "user", "content": content})
     return messages
 
 

@@ -19,7 +19,7 @@ import torch
 from vtc.api import prepare_inputs
 from vtc.hf.adapters import CapturedInputs, resolve_adapter
 from vtc.hf.patching import MEDIA_KWARGS
-from vtc.media.inputs import SampledVideo, processor_video_kwargs
+from vtc.media.inputs import SampledVideo, build_messages, processor_video_kwargs
 from vtc.media.video import VideoSource, synthetic_video
 from vtc.testing import tiny
 
@@ -56,8 +56,7 @@ def batch_inputs(family: str):
 def prompt_inputs(processor, videos: list[Any], images: list[Any] = (), question: str = QUESTIONS[0], fps: float = 8):
     """Processor inputs of ONE prompt holding several videos ([T, H, W, 3] uint8 each, all frames used), then
     `images` (PIL), then the question: what a user sends when a prompt compares clips or adds a picture."""
-    content = [{"type": "video"} for _ in videos] + [{"type": "image"} for _ in images]
-    chat = [{"role": "user", "content": content + [{"type": "text", "text": question}]}]
+    chat = build_messages(question, videos=len(videos), images=len(images))
     text = processor.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
     sampled = [SampledVideo(v, list(range(len(v))), VideoSource.open(v, fps=fps)) for v in videos]
     extra = {"images": list(images)} if images else {}

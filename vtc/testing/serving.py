@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from vtc.media.inputs import build_messages
 from vtc.vllm.config import CONFIG_ATTR, ServeConfig
 from vtc.vllm.engine import CPU_ENV, shutdown, start  # noqa: F401  (re-exported for tests and benchmarks)
 
@@ -98,12 +99,8 @@ def video_request(
     """A `generate` request with one or more videos ([T, H, W, 3] uint8 each, sampled at `fps`), then `images`
     (PIL), then the question."""
     videos = [frames] if isinstance(frames, np.ndarray) else list(frames)
-    content = [{"type": "video"} for _ in videos] + [{"type": "image"} for _ in images]
-    prompt = tokenizer.apply_chat_template(
-        [{"role": "user", "content": content + [{"type": "text", "text": question}]}],
-        tokenize=False,
-        add_generation_prompt=True,
-    )
+    chat = build_messages(question, videos=len(videos), images=len(images))
+    prompt = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
     data = [(v, video_metadata(len(v), fps)) for v in videos]
     media: dict[str, Any] = {"video": data[0] if len(data) == 1 else data}
     if images:

@@ -116,12 +116,6 @@ def server_config(hf_config) -> ServeConfig | None:
     return _config(json.dumps(raw, sort_keys=True), "{}") if raw else None
 
 
-def serving_pipeline(hf_config, family: str) -> Pipeline | None:
-    """The pipeline of a served model at its own settings, or None when the server runs without vtc."""
-    config = server_config(hf_config)
-    return None if config is None else config_pipeline(config, family)
-
-
 def request_config(server: ServeConfig, settings: dict[str, Any]) -> ServeConfig:
     """`server` with one request's settings applied (ValueError naming what the server allows)."""
     return _config(json.dumps(server.to_dict(), sort_keys=True), json.dumps(settings, sort_keys=True))
@@ -589,11 +583,11 @@ class _QwenServing(_MRopeServing):
         seconds = video_input.get("second_per_grid_ts")
         out = []
         for k, (emb, grid) in enumerate(zip(split, grids)):
-            # seconds of each temporal patch, as the HF backend gives them (Qwen2.5-VL; Qwen2-VL carries none)
-            times = None if seconds is None else torch.arange(grid[0], dtype=torch.float32) * float(seconds[k])
+            step = None if seconds is None else float(seconds[k])  # Qwen2.5-VL; Qwen2-VL carries none
+            # the seconds of each temporal patch, as the HF backend gives them
+            times = None if step is None else torch.arange(grid[0], dtype=torch.float32) * step
             kept, cells, _ = self.vtc.compress(emb, grid, k, timestamps=times)
-            t_factor = self._t_factor(None if seconds is None else float(seconds[k]))
-            out.append(append_positions(kept, grid_positions(grid, t_factor)[cells.cpu()]))
+            out.append(append_positions(kept, grid_positions(grid, self._t_factor(step))[cells.cpu()]))
         return tuple(out)
 
     def _postprocess_video_embeds_evs(self, video_embeds_split, video_input):
@@ -651,9 +645,8 @@ class VtcQwen3VL(_MRopeServing, Qwen3VLForConditionalGeneration):
             return super()._media_extent(feature, input_tokens)
         merge = self.config.vision_config.spatial_merge_size
         frames, h, w = _qwen_grid(feature.data["video_grid_thw"].data.tolist(), merge)
-        span = input_tokens[feature.mm_position.offset : feature.mm_position.offset + feature.mm_position.length]
-        text = sum(1 for token in span if token != self.config.video_token_id)
-        return frame_span_extent(text, frames, (h, w))
+        span = list(input_tokens[feature.mm_position.offset : feature.mm_position.offset + feature.mm_position.length])
+        return frame_span_extent(len(span) - span.count(self.config.video_token_id), frames, (h, w))
 
     def _process_video_input(self, video_input):
         run = functools.partial(super()._process_video_input, video_input)
