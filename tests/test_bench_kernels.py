@@ -1,9 +1,11 @@
 """`vtc bench-kernels` on CPU at small sizes (every op, official baseline against vtc's reference, JSON shape and
-statistics), its argument errors, and the GPU check scripts in their CPU modes (eval/gpu_prefill.py --tiny,
+statistics), its argument errors, where it lives (the repository's `benchmarks/`, not the installed package, and
+what it says without a checkout), and the GPU check scripts in their CPU modes (eval/gpu_prefill.py --tiny,
 eval/gpu_check.sh --dry-run). No timing thresholds: the timings only have to be well formed."""
 
 from __future__ import annotations
 
+import configparser
 import importlib.util
 import json
 import os
@@ -14,10 +16,11 @@ import pytest
 import torch
 
 from tests.kernel_checks import needs_triton
-from vtc.tools import bench_kernels
-from vtc.tools.cli import main
+from vtc.tools import cli
+from vtc.tools.cli import benchmark_module, main
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+bench_kernels = benchmark_module("bench_kernels")
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +81,28 @@ def test_unknown_op_is_an_error_listing_the_allowed(capsys):
 def test_cuda_without_cuda_is_an_error(capsys):
     assert main(["bench-kernels", "--device", "cuda", "--sizes", "small", "--ops", "sinkhorn"]) == 2
     assert "CUDA is not available" in capsys.readouterr().out
+
+
+def test_benchmarks_live_in_the_repository_not_the_package():
+    """The official codes' copies are benchmark baselines: in benchmarks/ of the checkout, never installed."""
+    assert pathlib.Path(bench_kernels.__file__).resolve() == ROOT / "benchmarks" / "bench_kernels.py"
+    assert pathlib.Path(bench_kernels.official.__file__).resolve() == ROOT / "benchmarks" / "kernel_baselines.py"
+    assert not (ROOT / "vtc" / "tools" / "bench_kernels.py").exists()
+    assert not (ROOT / "vtc" / "tools" / "kernel_baselines.py").exists()
+    setup = configparser.ConfigParser()
+    setup.read(ROOT / "setup.cfg")
+    packages = setup["options"]["packages"].split()
+    assert "benchmarks" not in packages and not any(p.startswith("benchmarks.") for p in packages)
+    assert "benchmarks" not in setup["options"].get("package_dir", "")
+
+
+def test_without_a_checkout_the_command_says_it_needs_one(tmp_path, monkeypatch, capsys):
+    """An installed wheel has no benchmarks/ next to the `vtc` package."""
+    monkeypatch.setattr(cli, "BENCHMARKS", tmp_path / "site-packages" / "benchmarks")
+    assert main(["bench-kernels", "--sizes", "small", "--ops", "sinkhorn"]) == 2
+    out = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
+    assert "vtc bench-kernels needs a checkout of the vtc repository" in out
+    assert "benchmarks/bench_kernels.py" in out and "pip install -e ." in out
 
 
 def test_peak_bandwidth_by_device_name():

@@ -235,9 +235,9 @@ def test_vtc_serve_refuses_a_method_that_cannot_serve_before_vllm_starts(tmp_pat
 def test_select_frames_keeps_the_most_relevant_frames_in_time_order():
     import numpy as np
 
+    from vtc.media.relevance import clip_yes_probabilities, frame_weights, load_clip
     from vtc.testing.fixtures import register_tiny_clip
     from vtc.vllm.client import select_frames
-    from vtc_plugins.quota import clip_yes_probabilities, frame_weights, load_clip
 
     assert register_tiny_clip()
     frames = synthetic_video(12, 64, 64, seed=3)

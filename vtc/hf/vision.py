@@ -5,7 +5,8 @@ Methods such as VisionZip, HoliTom, AOT and FastVID rank visual tokens by how mu
 inside the vision encoder. Their official code switches the whole tower to eager attention; vtc instead
 routes the tower's attention through its registered attention function (`vtc_sdpa`), and for the requested
 layers only computes the statistic from that layer's query/key (in chunks of frames, so the full maps
-never sit in memory), then calls the original attention. Other layers pass straight through.
+never sit in memory; `vtc.core.vision_stats.frame_stats`, shared with the vLLM backend), then calls the original
+attention. Other layers pass straight through.
 """
 
 from __future__ import annotations
@@ -14,34 +15,10 @@ from typing import Any
 
 import torch
 
-from vtc.core.vision_stats import HIDDEN_KINDS, KINDS, VisionStat  # noqa: F401  (re-exported)
+from vtc.core.vision_stats import HIDDEN_KINDS, KINDS, VisionStat, frame_stats  # noqa: F401  (re-exported)
 from vtc.hf.llm import attention as attn_mod
 
 Tensor = torch.Tensor
-FRAME_CHUNK = 4  # frames whose attention maps are materialised at once
-
-
-def _frame_stats(query: Tensor, key: Tensor, scaling: float, kinds: set[str]) -> dict[str, Tensor]:
-    """Statistics of full attention within each item of a batch: query/key [n, heads, L, d]."""
-    out: dict[str, list[Tensor]] = {k: [] for k in kinds}
-    for start in range(0, query.shape[0], FRAME_CHUNK):
-        q = query[start : start + FRAME_CHUNK].float()
-        k = key[start : start + FRAME_CHUNK].float()
-        if "received" in kinds or "cls" in kinds:
-            probs = torch.softmax((q @ k.transpose(-1, -2)) * scaling, dim=-1)  # [c, heads, L, L]
-            if "received" in kinds:
-                out["received"].append(probs.sum(dim=-2).mean(dim=1))
-            if "cls" in kinds:
-                out["cls"].append(probs[:, :, 0, :])
-        if "keys" in kinds:
-            out["keys"].append(k.mean(dim=1))
-        if "mean_query" in kinds:
-            # mean query against keys averaged over merge units of 4 consecutive patches (Qwen2.5-VL order)
-            mean_q = q.mean(dim=-2, keepdim=True)  # [c, heads, 1, d]
-            units = k.reshape(*k.shape[:2], k.shape[2] // 4, 4, k.shape[3]).mean(dim=3)
-            probs = torch.softmax((mean_q @ units.transpose(-1, -2)) * scaling, dim=-1)[:, :, 0]
-            out["mean_query"].append(probs.mean(dim=1).repeat_interleave(4, dim=-1))  # back to patch level
-    return {name: torch.cat(parts) for name, parts in out.items()}
 
 
 class VisionCapture:
@@ -116,7 +93,7 @@ class VisionCapture:
             scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
             layer = self.module_layer[module]
             chunks = self.calls[-1]["chunks"].setdefault(layer, [])
-            chunks.append(_frame_stats(query.detach(), key.detach(), scaling, kinds))
+            chunks.append(frame_stats(query.detach(), key.detach(), scaling, kinds))
         return self._original[module](module, query, key, value, attention_mask, **kwargs)
 
     def video_stats(self, spans) -> list[dict[VisionStat, Tensor]]:

@@ -12,6 +12,8 @@ from typing import Sequence
 
 import numpy as np
 
+from vtc.core.families import FRAME_RULES, family_names, get_family
+
 
 def available_backends() -> list[str]:
     names = []
@@ -19,6 +21,43 @@ def available_backends() -> list[str]:
         if importlib.util.find_spec(module) is not None:
             names.append(name)
     return names
+
+
+def as_rgb_frames(frames: np.ndarray, what: str = "a frame array") -> np.ndarray:
+    """Frames in memory as a contiguous [T, H, W, 3] uint8 array, by one rule for every array vtc takes:
+
+    the dtype must be uint8 (RGB values 0..255): any other dtype is refused with how to convert it, since vtc
+    cannot know whether floats are in [0, 1] or [0, 255] (casting [0, 1] floats would give black frames);
+    the shape is [T, H, W, 3] RGB, or grey [T, H, W] / [T, H, W, 1], whose value is repeated into three channels;
+    T >= 1. A 3-D array ending in 3 or 4 channels is one frame [H, W, C], not a grey video, and is refused (as is
+    RGBA), with how to pass it."""
+    frames = np.asarray(frames)
+    if frames.dtype != np.uint8:
+        if np.issubdtype(frames.dtype, np.floating):
+            how = (
+                "floats in [0, 1]: (frames * 255).round().astype(np.uint8); "
+                "floats in [0, 255]: frames.round().astype(np.uint8)"
+            )
+        else:
+            how = "values in [0, 255]: frames.astype(np.uint8)"
+        raise ValueError(
+            f"{what} must be uint8 (RGB values 0..255), got dtype {frames.dtype} with shape {frames.shape}; "
+            f"vtc does not guess the value range of other dtypes. Convert it first, {how}"
+        )
+    if frames.ndim == 3 and frames.shape[-1] in (3, 4):
+        raise ValueError(
+            f"{what} of shape {frames.shape} is one image [H, W, {frames.shape[-1]}], not a video: a video is "
+            "[T, H, W, 3] (frames[None] for a one-frame video; frames[..., :3] drops an alpha channel)"
+        )
+    if frames.ndim == 4 and frames.shape[-1] == 4:
+        raise ValueError(f"{what} of shape {frames.shape} is RGBA; pass RGB [T, H, W, 3]: frames[..., :3]")
+    if frames.ndim == 3 or (frames.ndim == 4 and frames.shape[-1] == 1):
+        frames = np.repeat(frames.reshape(frames.shape[:3])[..., None], 3, axis=-1)  # grey -> RGB
+    if frames.ndim != 4 or frames.shape[-1] != 3 or frames.shape[0] < 1:
+        raise ValueError(
+            f"{what} must be [T, H, W, 3] RGB (or [T, H, W] grey) uint8 with T >= 1, got shape {frames.shape}"
+        )
+    return np.ascontiguousarray(frames)
 
 
 @dataclasses.dataclass
@@ -44,15 +83,13 @@ class VideoSource:
     def open(
         cls, video: "str | os.PathLike | np.ndarray | VideoSource", fps: float | None = None, backend: str | None = None
     ) -> "VideoSource":
-        """Wrap a path, a [T, H, W, 3] uint8 array (with its `fps`, default 1.0) or an existing source."""
+        """Wrap a path, a frame array (with its `fps`, default 1.0; see `as_rgb_frames`) or an existing source."""
         if fps is not None and (isinstance(fps, bool) or not isinstance(fps, (int, float)) or not fps > 0):
             raise ValueError(f"fps must be a positive number, got {fps!r}")
         if isinstance(video, VideoSource):
             return video
         if isinstance(video, np.ndarray):
-            if video.ndim != 4 or video.shape[-1] != 3 or video.shape[0] < 1:
-                raise ValueError(f"a frame array must be [T, H, W, 3] uint8 with T >= 1, got shape {video.shape}")
-            frames = np.ascontiguousarray(video, dtype=np.uint8)
+            frames = as_rgb_frames(video)
             return cls(None, frames.shape[0], float(fps or 1.0), frames.shape[2], frames.shape[1], "array", frames)
         path = os.fspath(video)
         if not os.path.exists(path):
@@ -86,20 +123,22 @@ class VideoSource:
         return _READ[self.backend](self.path, indices)
 
 
-# how each family's reference pipeline spreads N frames over a clip (see `uniform_indices`)
-FRAME_SAMPLING = {
-    "qwen2_vl": "round",
-    "qwen2_5_vl": "round",
-    "qwen3_vl": "round",
-    "llava_onevision": "floor",
-    "llava_next_video": "floor",
-}
-SAMPLING_RULES = ("round", "floor")
+SAMPLING_RULES = FRAME_RULES  # "round", "floor", "middle" (see `uniform_indices`)
 
 
 def sampling_rule(family: str | None) -> str:
-    """The uniform-sampling rule of a family's reference pipeline ("round" when the family is unknown)."""
-    return FRAME_SAMPLING.get(family or "", "round")
+    """The uniform-sampling rule of a family's reference pipeline (its `Family.frame_rule`; "round" when the family
+    is unknown)."""
+    if family and family in family_names():
+        return get_family(family).frame_rule
+    return "round"
+
+
+def __getattr__(name: str):
+    # `FRAME_SAMPLING` (family -> rule) is derived from the family registry on use
+    if name == "FRAME_SAMPLING":
+        return {name: get_family(name).frame_rule for name in family_names()}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def uniform_indices(total: int, count: int, rule: str = "round") -> list[int]:
@@ -110,6 +149,9 @@ def uniform_indices(total: int, count: int, rule: str = "round") -> list[int]:
     "floor": LLaVA's evaluation wrappers and QuoTA's pipeline: `np.linspace(0, total - 1, count, dtype=int)`,
         which truncates and keeps duplicates when the clip is shorter: 11 frames, 4 samples -> [0, 3, 6, 10]
         ("round" gives [0, 3, 7, 10]); 3 frames, 5 samples -> [0, 0, 1, 1, 2].
+    "middle": InternVL's `get_index` (its video demo and lmms-eval's InternVL wrappers): the middle frame of
+        `count` equal segments of `total - 1` frames, `int(seg / 2 + round(seg * i))` with seg = (total - 1) / count:
+        11 frames, 4 samples -> [1, 3, 6, 9]; a shorter clip keeps duplicates (3 frames, 5 samples -> [0, 0, 1, 1, 2]).
     """
     if isinstance(count, bool) or int(count) != count or count < 1:
         raise ValueError(f"number of frames must be a positive integer, got {count!r}")
@@ -120,6 +162,9 @@ def uniform_indices(total: int, count: int, rule: str = "round") -> list[int]:
     count = int(count)
     if rule == "floor":
         return np.linspace(0, total - 1, count, dtype=int).tolist()
+    if rule == "middle":
+        segment = (total - 1) / count
+        return [int(segment / 2 + np.round(segment * i)) for i in range(count)]
     if count >= total:
         return list(range(total))
     return np.linspace(0, total - 1, count).round().astype(int).tolist()
@@ -220,9 +265,11 @@ def synthetic_video(num_frames: int = 64, height: int = 224, width: int = 224, s
 
 
 def encode_video(frames: np.ndarray, fps: float = 8.0) -> bytes:
-    """Encode [T, H, W, 3] uint8 frames as an mp4 (mpeg4 with PyAV, so it decodes everywhere) and return its bytes."""
+    """Encode frames ([T, H, W, 3] uint8, or grey [T, H, W]: `as_rgb_frames`) as an mp4 (mpeg4 with PyAV, so it
+    decodes everywhere) and return its bytes."""
     import av
 
+    frames = as_rgb_frames(frames)
     buffer = io.BytesIO()
     with av.open(buffer, mode="w", format="mp4") as container:
         stream = container.add_stream("mpeg4", rate=int(round(fps)))
@@ -238,7 +285,7 @@ def encode_video(frames: np.ndarray, fps: float = 8.0) -> bytes:
 
 
 def write_video(path: "str | os.PathLike", frames: np.ndarray, fps: float = 8.0) -> str:
-    """Encode [T, H, W, 3] uint8 frames to an mp4 file (see `encode_video`)."""
+    """Encode frames ([T, H, W, 3] uint8) to an mp4 file (see `encode_video`)."""
     path = os.fspath(path)
     with open(path, "wb") as f:
         f.write(encode_video(frames, fps))

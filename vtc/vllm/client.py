@@ -9,6 +9,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from vtc.media.relevance import clip_yes_probabilities, frame_weights, load_clip
 from vtc.media.video import encode_video
 
 
@@ -67,14 +68,13 @@ def select_frames(
 ) -> tuple[np.ndarray, list[int], list[float]]:
     """Query-aware frame selection where the question is known: on the client, before the request.
 
-    QuoTA's frame relevance (its CLIP scorer, as `quota-clip`: P("relevant to the question") per frame, weighted
-    w = (scale * p) ** power) ranks `frames` [T, H, W, 3]; the `keep` most relevant frames are returned in time
-    order, with their indices and weights. A vLLM server cannot run QuoTA itself: it caches encoder outputs per
-    video across questions, and QuoTA's per-frame token budgets depend on the question. Sending only the frames
-    that matter is what a server can use; the connect method the server runs then compresses those frames.
+    QuoTA's frame relevance (its CLIP scorer, as `quota-clip`; `vtc.media.relevance`: P("relevant to the
+    question") per frame, weighted w = (scale * p) ** power) ranks `frames` [T, H, W, 3]; the `keep` most relevant
+    frames are returned in time order, with their indices and weights. A vLLM server cannot run QuoTA itself: it
+    caches encoder outputs per video across questions, and QuoTA's per-frame token budgets depend on the question.
+    Sending only the frames that matter is what a server can use; the connect method the server runs then
+    compresses those frames.
     """
-    from vtc_plugins.quota import clip_yes_probabilities, frame_weights, load_clip
-
     if not 0 < keep <= len(frames):
         raise ValueError(f"keep must be in [1, {len(frames)}] (the number of frames given), got {keep}")
     clip, preprocess, tokenizer = load_clip(clip_model, clip_pretrained)

@@ -4,7 +4,8 @@ FastVID, AOT, HoliTom).
 Every vision tower vLLM runs for the five families sends its attention through one layer type,
 `MMEncoderAttention` (query/key after RoPE, and `cu_seqlens` marking frames or windows on Qwen towers). vtc hooks
 the instances at the layers plugins ask for, only while a video is encoded, and computes the statistics with the
-same code as the HF backend (`vtc.hf.vision`), so a plugin gets the same tensors from either backend.
+same code as the HF backend (`vtc.core.vision_stats.frame_stats`), so a plugin gets the same tensors from either
+backend.
 Under tensor parallelism each rank holds some of the heads: head means are averaged over the ranks.
 """
 
@@ -15,10 +16,9 @@ from typing import Any
 
 import torch
 
-from vtc.core.vision_stats import HIDDEN_KINDS, VisionStat
+from vtc.core.vision_stats import HIDDEN_KINDS, VisionStat, frame_stats
 from vtc.hf.adapters.base import llava_stats_per_video, tower_feature_layer
 from vtc.hf.adapters.qwen2_vl import qwen_stats_on_grid
-from vtc.hf.vision import _frame_stats
 
 Tensor = torch.Tensor
 HEAD_MEAN_KINDS = ("received", "keys", "mean_query")  # statistics averaged over heads
@@ -105,10 +105,10 @@ class EncoderStatsCapture:
             bounds = cu_seqlens.tolist()
             for start, end in zip(bounds[:-1], bounds[1:]):
                 chunks.append(
-                    self._reduce(_frame_stats(q[..., start:end, :], k[..., start:end, :], module.scale, kinds))
+                    self._reduce(frame_stats(q[..., start:end, :], k[..., start:end, :], module.scale, kinds))
                 )
         else:
-            chunks.append(self._reduce(_frame_stats(q, k, module.scale, kinds)))
+            chunks.append(self._reduce(frame_stats(q, k, module.scale, kinds)))
 
     def _reduce(self, stats: dict[str, Tensor]) -> dict[str, Tensor]:
         """Average the head means over tensor-parallel ranks (each rank saw its share of the heads)."""

@@ -1,7 +1,7 @@
 """`vtc bench-kernels`: vtc's shared ops against the official codes' way of computing them, and (on CUDA) each
 op's Triton kernel against its torch reference.
 
-On CPU, for every op: the official baseline (`vtc.tools.kernel_baselines`, one function per official code) and
+On CPU, for every op: the official baseline (`benchmarks/kernel_baselines.py`, one function per official code) and
 vtc's op on its torch reference backend run on identical inputs of video sizes; their outputs must agree (same
 indices, or allclose for floats), and the ratio official time / vtc time is reported as the median with the
 min and max over repeats. The two are interleaved inside every repeat (official, then vtc) and each ratio is
@@ -31,8 +31,9 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from vtc.tools import kernel_baselines as official
 from vtc.tools.progress import progress_bar
+
+from . import kernel_baselines as official
 
 Tensor = torch.Tensor
 
