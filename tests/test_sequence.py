@@ -85,8 +85,7 @@ def test_adapter_spans_grids_and_geometry_from_processor_outputs(fam):
     assert adapter.geometry == default_geometry(fam)  # the tiny configs match the published geometry
     for inputs in (single_inputs(fam), batch_inputs(fam)):
         grids = token_grids(model, inputs)
-        media = {k: inputs[k] for k in ("video_grid_thw", "pixel_values_videos") if k in inputs}
-        spans = adapter.video_spans(CapturedInputs(inputs["input_ids"], inputs["attention_mask"], media))
+        spans = adapter.video_spans(adapter.capture(inputs["input_ids"], inputs["attention_mask"], dict(inputs)))
         assert [s.grid for s in spans] == grids and len(spans) == inputs["input_ids"].shape[0]
         for span in spans:
             ids = inputs["input_ids"][span.batch, span.seq_index]
@@ -98,9 +97,9 @@ def test_adapter_spans_grids_and_geometry_from_processor_outputs(fam):
     if fam.startswith("qwen"):
         # Qwen: 2 input frames per temporal patch, 2x2 merge: 8 frames at 224 px -> (4, 8, 8)
         assert token_grids(model, single_inputs(fam))[0][0] == 4
-    else:
+    else:  # one token grid per frame: from the patch grid where the tower's statistics have one, else 8 x 8
         t, h, w = token_grids(model, single_inputs(fam))[0]
-        assert t == 8 and (h, w) == default_geometry(fam).token_grid_size()
+        assert t == 8 and (h, w) == (default_geometry(fam).token_grid_size() or (8, 8))
 
 
 def test_adapter_refuses_inputs_that_do_not_match():

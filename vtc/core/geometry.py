@@ -6,7 +6,8 @@ a model config to map vision-tower statistics (attention maps, keys) onto its to
   LLaVA-NeXT-Video: CLIP 24 x 24 patches + CLS per frame, pooled 2 x 2 (average, or max per the config) to 12 x 12.
 
 The HF adapters build the geometry of the loaded model from its config (`Adapter.geometry`); `default_geometry`
-gives the published checkpoints' geometry from the family name alone.
+gives the published checkpoints' geometry from the family name alone (each family declares it in its `Family`
+record, `vtc.core.families`).
 """
 
 from __future__ import annotations
@@ -98,25 +99,17 @@ class FamilyGeometry:
         return rows // 2, cols // 2
 
 
-# the geometry of the published checkpoints of each family
-DEFAULT_GEOMETRY = {
-    "qwen2_vl": FamilyGeometry("qwen2_vl", mrope=True),
-    "qwen2_5_vl": FamilyGeometry("qwen2_5_vl", mrope=True),
-    "qwen3_vl": FamilyGeometry("qwen3_vl", mrope=True),
-    "llava_onevision": FamilyGeometry("llava_onevision", mrope=False, patch_grid=(27, 27), pooling="bilinear"),
-    "llava_next_video": FamilyGeometry(
-        "llava_next_video",
-        mrope=False,
-        patch_grid=(24, 24),
-        cls_tokens=1,
-        pooling="average",
-        pool_before_projector=True,
-    ),
-}
-
-
 def default_geometry(family: str) -> FamilyGeometry:
-    try:
-        return DEFAULT_GEOMETRY[family]
-    except KeyError:
-        raise ValueError(f"unknown family {family!r}; families: {', '.join(DEFAULT_GEOMETRY)}") from None
+    """The geometry of the published checkpoints of `family` (declared by its `Family` record)."""
+    from vtc.core.families import get_family  # the registry imports this module
+
+    return get_family(family).geometry
+
+
+def __getattr__(name: str):
+    # `DEFAULT_GEOMETRY` (family -> geometry) is derived from the family registry on use
+    if name == "DEFAULT_GEOMETRY":
+        from vtc.core.families import families
+
+        return {f.name: f.geometry for f in families()}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -14,8 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vtc.hf.adapters import Adapter, CapturedInputs, VideoSpan
-from vtc.hf.patching import MEDIA_KWARGS
+from vtc.hf.adapters import Adapter, VideoSpan
 
 Tensor = torch.Tensor
 
@@ -54,6 +53,11 @@ class ChunkEncoder:
     """Encodes chunks of frames with one model and its processor."""
 
     def __init__(self, adapter: Adapter, processor, vision_capture=None, processor_kwargs: dict | None = None) -> None:
+        if "streaming" not in adapter.record.features:
+            raise ValueError(
+                f"vtc.stream does not support {adapter.family}: its processor does not lay a chunk of frames out as "
+                "they sit in one whole-video prompt (family feature 'streaming'); use vtc.patch on whole prompts"
+            )
         self.adapter = adapter
         self.processor = processor
         self.vision = vision_capture
@@ -98,8 +102,7 @@ class ChunkEncoder:
             raise RuntimeError(f"{adapter.family}: the chunk's forward never reached the LLM")
 
         ids = model_inputs["input_ids"]
-        media = {k: model_inputs[k] for k in MEDIA_KWARGS if model_inputs.get(k) is not None}
-        span = adapter.video_spans(CapturedInputs(ids, model_inputs.get("attention_mask"), media))[0]
+        span = adapter.video_spans(adapter.capture(ids, model_inputs.get("attention_mask"), dict(model_inputs)))[0]
         embeds = captured["inputs_embeds"][0]
         placeholders = torch.nonzero(ids[0] == adapter.video_token_id).flatten()
         extra_rows = placeholders[~torch.isin(placeholders, span.seq_index)]

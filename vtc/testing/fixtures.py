@@ -12,27 +12,40 @@ from __future__ import annotations
 
 import functools
 import os
+import weakref
 from typing import Any
 
 import torch
 
 from vtc.api import prepare_inputs
-from vtc.hf.adapters import CapturedInputs, resolve_adapter
-from vtc.hf.patching import MEDIA_KWARGS
+from vtc.core.families import family_names
+from vtc.hf.adapters import resolve_adapter
 from vtc.media.inputs import SampledVideo, build_messages, processor_video_kwargs
 from vtc.media.video import VideoSource, synthetic_video
 from vtc.testing import tiny
 
-FAMILIES = tiny.FAMILIES
 QUESTIONS = ("What happens in this video?", "How many objects are visible in the whole clip, and which one moves?")
 NUM_FRAMES = 8
 ASSETS = os.path.join(os.path.dirname(__file__), "assets")
 
 
+def __getattr__(name: str):
+    # `FAMILIES`: every registered family (`vtc.core.families.family_names()`), asked of the registry on use
+    if name == "FAMILIES":
+        return family_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# the models `model_and_processor` shares between tests (a test that leaves one patched breaks the tests after it)
+SHARED_MODELS: weakref.WeakSet = weakref.WeakSet()
+
+
 @functools.lru_cache(maxsize=None)
 def model_and_processor(family: str, dtype: torch.dtype = torch.float32, size: str = "tiny"):
     """A tiny random-weight model of `family` and its processor (built once per process)."""
-    return tiny.build(family, size=size, dtype=dtype)
+    model, processor = tiny.build(family, size=size, dtype=dtype)
+    SHARED_MODELS.add(model)
+    return model, processor
 
 
 @functools.lru_cache(maxsize=None)
@@ -68,9 +81,9 @@ def prompt_inputs(processor, videos: list[Any], images: list[Any] = (), question
 def token_grids(model: torch.nn.Module, inputs: Any) -> list[tuple[int, int, int]]:
     """The token grid (T, H, W) of every video in `inputs`, read from the processor outputs alone (no forward),
     as a serving frontend sizes its placeholders."""
-    media = {k: inputs[k] for k in MEDIA_KWARGS if k in inputs and inputs[k] is not None}
-    captured = CapturedInputs(inputs["input_ids"], inputs.get("attention_mask"), media)
-    return [span.grid for span in resolve_adapter(model).video_spans(captured)]
+    adapter = resolve_adapter(model)
+    captured = adapter.capture(inputs["input_ids"], inputs.get("attention_mask"), dict(inputs))
+    return [span.grid for span in adapter.video_spans(captured)]
 
 
 def register_tiny_clip() -> bool:

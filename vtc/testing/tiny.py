@@ -1,8 +1,11 @@
-"""Small random-weight models of the five supported families, built offline from configs.
+"""Small random-weight models of every model family, built offline from configs.
 
 Used by the test suite, by `vtc run` with no arguments (the offline demo) and by `vtc bench` (the mid-size
 timing model). Nothing is downloaded: the tokenizer is a byte-level BPE trained in-process on a few fixed
 sentences, the weights are random (seeded), and the processors are built from their classes.
+
+Each family names its builder in its `Family` record (`vtc.core.families`, `Family.tiny`): a function of a
+`TinySize` returning `(model, processor)`. The builders of vtc's own families live here.
 
 These models answer with noise. They exist to exercise every code path of a real checkpoint of the same
 architecture (token layout, M-RoPE, DeepStack, pooling, newline tokens), not to produce meaningful text.
@@ -15,7 +18,15 @@ from typing import Any
 
 import torch
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava_onevision", "llava_next_video")
+from vtc.core.families import family_names, get_family
+
+
+def __getattr__(name: str):
+    # `FAMILIES`: every registered family (asked of the registry on use, so a family added later is included)
+    if name == "FAMILIES":
+        return family_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 QWEN_SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -27,6 +38,14 @@ QWEN_SPECIAL_TOKENS = [
     "<|video_pad|>",
 ]
 LLAVA_SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>", "<image>", "<video>"]
+# InternVL (-hf checkpoints): a Qwen2.5 tokenizer plus the image tokens its processor reads from the tokenizer
+INTERNVL_IMAGE_TOKENS = {
+    "start_image_token": "<img>",
+    "end_image_token": "</img>",
+    "context_image_token": "<IMG_CONTEXT>",
+    "video_token": "<video>",
+}
+INTERNVL_SPECIAL_TOKENS = QWEN_SPECIAL_TOKENS + list(INTERNVL_IMAGE_TOKENS.values())
 
 # Enough varied text for a byte-level BPE to learn a useful vocabulary; the content is irrelevant.
 _TRAINING_TEXT = [
@@ -68,6 +87,18 @@ LLAVA_NEXT_VIDEO_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
 )
 
+# InternVL3 / InternVL3.5 -hf: an image is one <IMG_CONTEXT> (the processor expands it to <img>...</img> per tile), a
+# video one <video> (expanded to "Frame1: <img>...</img>\nFrame2: ..." per frame)
+INTERNVL_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'video' %}<video>\n{% elif content['type'] == 'image' %}<IMG_CONTEXT>\n"
+    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class TinySize:
@@ -94,11 +125,17 @@ SIZES = {
 
 
 def build_tokenizer(family: str, vocab_size: int = 512):
-    """A byte-level BPE tokenizer with the family's special tokens, trained in-process (no network)."""
+    """A byte-level BPE tokenizer with the family's special tokens, trained in-process (no network). `family` picks
+    the token set: "qwen*" (Qwen-VL), "internvl" (Qwen tokens + InternVL's image tokens), anything else LLaVA's."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    special = QWEN_SPECIAL_TOKENS if family.startswith("qwen") else LLAVA_SPECIAL_TOKENS
+    if family.startswith("qwen"):
+        special = QWEN_SPECIAL_TOKENS
+    elif family == "internvl":
+        special = INTERNVL_SPECIAL_TOKENS
+    else:
+        special = LLAVA_SPECIAL_TOKENS
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -112,6 +149,14 @@ def build_tokenizer(family: str, vocab_size: int = 512):
     if family.startswith("qwen"):
         fast = PreTrainedTokenizerFast(
             tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", padding_side="left"
+        )
+    elif family == "internvl":
+        fast = PreTrainedTokenizerFast(
+            tokenizer_object=tok,
+            eos_token="<|im_end|>",
+            pad_token="<|endoftext|>",
+            padding_side="left",
+            extra_special_tokens=dict(INTERNVL_IMAGE_TOKENS),
         )
     else:
         fast = PreTrainedTokenizerFast(
@@ -160,22 +205,14 @@ def _mrope_section(size: TinySize) -> list[int]:
 
 
 def build(family: str, size: str = "tiny", seed: int = 0, dtype: torch.dtype = torch.float32):
-    """Return `(model, processor)` for a random-weight model of `family` (one of `FAMILIES`)."""
-    if family not in FAMILIES:
-        raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
+    """Return `(model, processor)` for a random-weight model of `family` (any registered family with a tiny builder,
+    `vtc.core.families.Family.tiny`)."""
+    builder = get_family(family).tiny_builder()  # ValueError naming the known families
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; choose one of {', '.join(SIZES)}")
-    shape = SIZES[size]
     torch.manual_seed(seed)
-    tokenizer = build_tokenizer(family, shape.vocab)
-    builder = {
-        "qwen2_vl": _build_qwen2_vl,
-        "qwen2_5_vl": _build_qwen2_5_vl,
-        "qwen3_vl": _build_qwen3_vl,
-        "llava_onevision": _build_llava_onevision,
-        "llava_next_video": _build_llava_next_video,
-    }[family]
-    model, processor = builder(shape, tokenizer)
+    model, processor = builder(SIZES[size])
+    tokenizer = getattr(processor, "tokenizer", processor)
     model = model.to(dtype).eval()
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
@@ -190,7 +227,8 @@ def _qwen_text_config(shape: TinySize, tokenizer) -> dict[str, Any]:
     )
 
 
-def _build_qwen2_vl(shape: TinySize, tokenizer):
+def build_qwen2_vl(shape: TinySize):
+    tokenizer = build_tokenizer("qwen2_vl", shape.vocab)
     from transformers import (
         Qwen2VLConfig,
         Qwen2VLForConditionalGeneration,
@@ -213,7 +251,8 @@ def _build_qwen2_vl(shape: TinySize, tokenizer):
     return Qwen2VLForConditionalGeneration(config), processor
 
 
-def _build_qwen2_5_vl(shape: TinySize, tokenizer):
+def build_qwen2_5_vl(shape: TinySize):
+    tokenizer = build_tokenizer("qwen2_5_vl", shape.vocab)
     from transformers import (
         Qwen2_5_VLConfig,
         Qwen2_5_VLForConditionalGeneration,
@@ -244,7 +283,8 @@ def _build_qwen2_5_vl(shape: TinySize, tokenizer):
     return Qwen2_5_VLForConditionalGeneration(config), processor
 
 
-def _build_qwen3_vl(shape: TinySize, tokenizer):
+def build_qwen3_vl(shape: TinySize):
+    tokenizer = build_tokenizer("qwen3_vl", shape.vocab)
     from transformers import (
         Qwen2VLImageProcessor,
         Qwen3VLConfig,
@@ -290,7 +330,8 @@ def _build_qwen3_vl(shape: TinySize, tokenizer):
     return Qwen3VLForConditionalGeneration(config), processor
 
 
-def _build_llava_onevision(shape: TinySize, tokenizer):
+def build_llava_onevision(shape: TinySize):
+    tokenizer = build_tokenizer("llava_onevision", shape.vocab)
     from transformers import (
         LlavaOnevisionConfig,
         LlavaOnevisionForConditionalGeneration,
@@ -328,7 +369,8 @@ def _build_llava_onevision(shape: TinySize, tokenizer):
     return LlavaOnevisionForConditionalGeneration(config), processor
 
 
-def _build_llava_next_video(shape: TinySize, tokenizer):
+def build_llava_next_video(shape: TinySize):
+    tokenizer = build_tokenizer("llava_next_video", shape.vocab)
     from transformers import (
         LlavaNextImageProcessor,
         LlavaNextVideoConfig,
@@ -367,6 +409,48 @@ def _build_llava_next_video(shape: TinySize, tokenizer):
         chat_template=LLAVA_NEXT_VIDEO_CHAT_TEMPLATE,
     )
     return LlavaNextVideoForConditionalGeneration(config), processor
+
+
+def build_internvl(shape: TinySize):
+    """InternVL3-shaped: a 2-layer InternViT (224 px, patch 14: 16 x 16 patches + CLS per frame), pixel shuffle 0.5
+    to 8 x 8 = 64 tokens per frame, the 2-layer MLP projector, a Qwen2 LLM (1-D RoPE). Frames are encoded as
+    one-tile images (`pixel_values`), each its own `<img>...</img>` run behind a `FrameK: ` label."""
+    tokenizer = build_tokenizer("internvl", shape.vocab)
+    from transformers import (
+        GotOcr2ImageProcessor,
+        InternVLConfig,
+        InternVLForConditionalGeneration,
+        InternVLProcessor,
+        InternVLVideoProcessor,
+    )
+
+    side, patch = 224, 14
+    config = InternVLConfig(
+        text_config=dict(model_type="qwen2", **_text_config(shape, tokenizer)),
+        vision_config=dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            image_size=side,
+            patch_size=patch,
+        ),
+        image_token_id=tokenizer.context_image_token_id,
+        image_seq_length=(side // patch // 2) ** 2,
+        downsample_ratio=0.5,
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="default",
+        tie_word_embeddings=False,
+    )
+    size = {"height": side, "width": side}
+    processor = InternVLProcessor(
+        image_processor=GotOcr2ImageProcessor(size=size, crop_to_patches=True, max_patches=4),
+        video_processor=InternVLVideoProcessor(size=size),
+        tokenizer=tokenizer,
+        image_seq_length=(side // patch // 2) ** 2,
+        chat_template=INTERNVL_CHAT_TEMPLATE,
+    )
+    return InternVLForConditionalGeneration(config), processor
 
 
 def save(family: str, path: str, size: str = "tiny", seed: int = 0, dtype: torch.dtype = torch.float32) -> str:

@@ -1,4 +1,8 @@
-"""Model-family adapters. `resolve_adapter(model)` picks the one matching the model's class."""
+"""Model-family adapters. `resolve_adapter(model)` picks the one matching the model's class.
+
+Every family names its adapter in its `Family` record (`vtc.core.families`), so this package lists none:
+`adapters()` / `ADAPTERS` and `SUPPORTED_FAMILIES` are read from the family registry when asked.
+"""
 
 from __future__ import annotations
 
@@ -7,30 +11,34 @@ from typing import Any
 
 import torch
 
+from vtc.core.families import families, get_family
 from vtc.hf.adapters.base import Adapter, CapturedInputs, VideoSpan
-from vtc.hf.adapters.llava_next_video import LlavaNextVideoAdapter
-from vtc.hf.adapters.llava_onevision import LlavaOnevisionAdapter
-from vtc.hf.adapters.qwen2_5_vl import Qwen2_5_VLAdapter
-from vtc.hf.adapters.qwen2_vl import Qwen2VLAdapter
-from vtc.hf.adapters.qwen3_vl import Qwen3VLAdapter
 
-ADAPTERS: tuple[type[Adapter], ...] = (
-    Qwen2VLAdapter,
-    Qwen2_5_VLAdapter,
-    Qwen3VLAdapter,
-    LlavaOnevisionAdapter,
-    LlavaNextVideoAdapter,
-)
-SUPPORTED_FAMILIES = tuple(a.family for a in ADAPTERS)
+
+def adapters() -> tuple[type[Adapter], ...]:
+    """The HF adapter class of every registered family, in registry order."""
+    return tuple(family.adapter_class() for family in families())
+
+
+def __getattr__(name: str):
+    # kept names, derived on use: ADAPTERS (adapter classes), SUPPORTED_FAMILIES (their family names)
+    if name == "ADAPTERS":
+        return adapters()
+    if name == "SUPPORTED_FAMILIES":
+        return tuple(family.name for family in families())
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def resolve_adapter(model: torch.nn.Module) -> Adapter:
-    for adapter in ADAPTERS:
-        if adapter.matches(model):
-            return adapter(model)
-    supported = ", ".join(f"{a.family} ({'/'.join(a.class_names)})" for a in ADAPTERS)
+    class_name = type(model).__name__
+    for family in families():
+        if class_name in family.model_classes:
+            adapter = family.adapter_class()
+            if adapter.matches(model):
+                return adapter(model)
+    supported = ", ".join(f"{f.name} ({'/'.join(f.model_classes)})" for f in families())
     raise TypeError(
-        f"vtc does not support {type(model).__name__}; supported model families: {supported}. "
+        f"vtc does not support {class_name}; supported model families: {supported}. "
         "Load the model with its ...ForConditionalGeneration class."
     )
 
@@ -43,10 +51,7 @@ class _ConfigOnly:
 def config_adapter(family: str, config: Any) -> Adapter:
     """The family's adapter over a model config alone (no weights): geometry, token ids and `video_spans` of
     processor outputs, for a backend whose model is not a transformers module (vLLM)."""
-    for adapter in ADAPTERS:
-        if adapter.family == family:
-            return adapter(_ConfigOnly(config))
-    raise ValueError(f"unknown family {family!r}; vtc supports {', '.join(SUPPORTED_FAMILIES)}")
+    return get_family(family).adapter_class()(_ConfigOnly(config))
 
 
 __all__ = [
@@ -55,6 +60,7 @@ __all__ = [
     "CapturedInputs",
     "SUPPORTED_FAMILIES",
     "VideoSpan",
+    "adapters",
     "config_adapter",
     "resolve_adapter",
 ]

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from vtc.core.families import Family, get_family
 from vtc.core.geometry import FamilyGeometry
 
 Tensor = torch.Tensor
@@ -20,21 +21,25 @@ Tensor = torch.Tensor
 
 @dataclasses.dataclass
 class CapturedInputs:
-    """The keyword arguments of the outer multimodal model's forward that describe the media."""
+    """The keyword arguments of the outer multimodal model's forward that describe the media (the family's
+    `Family.media_kwargs`; build it with `Adapter.capture`). `video_pixels` / `encoded_media`: where the family's
+    video pixels and generate's pre-encoded video features travel (`Family.video_pixels`, `Family.encoded_media`)."""
 
     input_ids: Tensor | None
     attention_mask: Tensor | None
     kwargs: dict[str, Any]
+    video_pixels: str = "pixel_values_videos"
+    encoded_media: str = "video"
 
     @property
     def encoded_videos(self) -> Any:
         """The video encoder outputs generate computed beforehand (`mm_encoder_outputs["video"]`), if any."""
-        return (self.kwargs.get("mm_encoder_outputs") or {}).get("video")
+        return (self.kwargs.get("mm_encoder_outputs") or {}).get(self.encoded_media)
 
     @property
     def has_video_media(self) -> bool:
         """The forward carries video pixels or pre-encoded video features."""
-        return self.kwargs.get("pixel_values_videos") is not None or self.encoded_videos is not None
+        return self.kwargs.get(self.video_pixels) is not None or self.encoded_videos is not None
 
 
 @dataclasses.dataclass
@@ -46,6 +51,8 @@ class VideoSpan:
     frame_slot: [T] sequence index of the first token of each frame's segment; kept tokens are written
                 back into their frame's segment (matters when text separates frames, as in Qwen3-VL)
     timestamps: [T] seconds, when the inputs carry them
+    media_rows: [T] the vision tower's batch item of each frame, where the tower encodes a prompt's frames among
+                other media (InternVL: frames and image tiles share `pixel_values`); None elsewhere
     """
 
     batch: int
@@ -54,6 +61,7 @@ class VideoSpan:
     grid: tuple[int, int, int]
     frame_slot: Tensor
     timestamps: Tensor | None = None
+    media_rows: Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -171,7 +179,15 @@ def contiguous_spans(
 
 
 class Adapter:
-    """Base class; one subclass per model family (see `vtc/hf/adapters/<family>.py`)."""
+    """Base class; one subclass per model family, in the file that declares the family's `Family` record
+    (`vtc/hf/adapters/<family>.py`; see docs/add-a-family.md).
+
+    What an adapter answers: where the modules are (`outer`, `text_model`, `decoder_layers`, `vision_tower`,
+    `vision_attention_modules`, `vision_encoder_layers`), which token marks video features (`video_token_id`), which
+    forward arguments describe the media (`capture`), where each video's tokens sit in a prompt (`video_spans`:
+    sequence indices in grid order, token grid, `frame_slot`), the vision-tower statistics of each video
+    (`vision_stats_per_video`: on the patch grid where `geometry.patch_grid` is set, else on the token grid) and,
+    where the model pools a finer grid, the features before that pooling (`prepool_capture`)."""
 
     family: str = ""
     class_names: tuple[str, ...] = ()
@@ -184,6 +200,19 @@ class Adapter:
     @classmethod
     def matches(cls, model: torch.nn.Module) -> bool:
         return type(model).__name__ in cls.class_names
+
+    @property
+    def record(self) -> Family:
+        """The family's `Family` record (`vtc.core.families`)."""
+        return get_family(self.family)
+
+    def capture(
+        self, input_ids: Tensor | None, attention_mask: Tensor | None, kwargs: dict[str, Any]
+    ) -> CapturedInputs:
+        """The media arguments of one outer-model forward (the family's `media_kwargs`), for `video_spans`."""
+        record = self.record
+        media = {k: kwargs[k] for k in record.media_kwargs if kwargs.get(k) is not None}
+        return CapturedInputs(input_ids, attention_mask, media, record.video_pixels, record.encoded_media)
 
     @property
     def geometry(self) -> FamilyGeometry:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from vtc.core.families import Family
 from vtc.core.geometry import FamilyGeometry
 from vtc.hf.adapters.base import (
     CapturedInputs,
@@ -15,10 +16,31 @@ from vtc.hf.adapters.base import (
 )
 from vtc.hf.prepool import PrepoolCapture
 
+FAMILY = Family(
+    name="llava_next_video",
+    summary="LLaVA-NeXT-Video: CLIP 24x24 patches + CLS, 2x2 pooling to 12x12 before the projector",
+    geometry=FamilyGeometry(
+        "llava_next_video",
+        mrope=False,
+        patch_grid=(24, 24),
+        cls_tokens=1,
+        pooling="average",
+        pool_before_projector=True,
+    ),
+    model_classes=("LlavaNextVideoForConditionalGeneration",),
+    processor_classes=("LlavaNextVideoProcessor",),
+    adapter="vtc.hf.adapters.llava_next_video:LlavaNextVideoAdapter",
+    frame_rule="floor",
+    media_kwargs=("pixel_values_videos", "mm_encoder_outputs"),
+    vision_stats=frozenset({"received", "cls", "keys", "features"}),
+    features=frozenset({"patch_grid", "prepool", "cls_token", "streaming"}),
+    tiny="vtc.testing.tiny:build_llava_next_video",
+)
+
 
 class LlavaNextVideoAdapter(LlavaAdapter):
-    family = "llava_next_video"
-    class_names = ("LlavaNextVideoForConditionalGeneration",)
+    family = FAMILY.name
+    class_names = FAMILY.model_classes
 
     @property
     def geometry(self) -> FamilyGeometry:

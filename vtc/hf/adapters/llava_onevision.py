@@ -9,6 +9,7 @@ import math
 
 import torch
 
+from vtc.core.families import Family
 from vtc.core.geometry import FamilyGeometry
 from vtc.hf.adapters.base import (
     CapturedInputs,
@@ -19,10 +20,24 @@ from vtc.hf.adapters.base import (
 )
 from vtc.hf.prepool import PrepoolCapture
 
+FAMILY = Family(
+    name="llava_onevision",
+    summary="LLaVA-OneVision / LLaVA-Video: SigLIP 27x27 patches, projector, bilinear pooling to 14x14, one newline",
+    geometry=FamilyGeometry("llava_onevision", mrope=False, patch_grid=(27, 27), pooling="bilinear"),
+    model_classes=("LlavaOnevisionForConditionalGeneration",),
+    processor_classes=("LlavaOnevisionProcessor",),
+    adapter="vtc.hf.adapters.llava_onevision:LlavaOnevisionAdapter",
+    frame_rule="floor",
+    media_kwargs=("pixel_values_videos", "mm_encoder_outputs"),
+    vision_stats=frozenset({"received", "keys", "features"}),
+    features=frozenset({"patch_grid", "prepool", "streaming"}),
+    tiny="vtc.testing.tiny:build_llava_onevision",
+)
+
 
 class LlavaOnevisionAdapter(LlavaAdapter):
-    family = "llava_onevision"
-    class_names = ("LlavaOnevisionForConditionalGeneration",)
+    family = FAMILY.name
+    class_names = FAMILY.model_classes
 
     @property
     def geometry(self) -> FamilyGeometry:

@@ -8,13 +8,29 @@ from __future__ import annotations
 
 import torch
 
+from vtc.core.families import Family
+from vtc.core.geometry import FamilyGeometry
 from vtc.hf.adapters.base import CapturedInputs, VideoSpan
-from vtc.hf.adapters.qwen2_vl import Qwen2VLAdapter, qwen_vision_stats
+from vtc.hf.adapters.qwen2_vl import QWEN_MEDIA_KWARGS, QWEN_VISION_STATS, Qwen2VLAdapter, qwen_vision_stats
+
+FAMILY = Family(
+    name="qwen2_5_vl",
+    summary="Qwen2.5-VL: as Qwen2-VL, with seconds per temporal patch scaling M-RoPE time; windowed tower",
+    geometry=FamilyGeometry("qwen2_5_vl", mrope=True),
+    model_classes=("Qwen2_5_VLForConditionalGeneration",),
+    processor_classes=("Qwen2_5_VLProcessor",),
+    adapter="vtc.hf.adapters.qwen2_5_vl:Qwen2_5_VLAdapter",
+    frame_rule="round",
+    media_kwargs=QWEN_MEDIA_KWARGS,
+    vision_stats=QWEN_VISION_STATS,
+    features=frozenset({"mrope", "merge_units", "timestamps", "streaming"}),
+    tiny="vtc.testing.tiny:build_qwen2_5_vl",
+)
 
 
 class Qwen2_5_VLAdapter(Qwen2VLAdapter):
-    family = "qwen2_5_vl"
-    class_names = ("Qwen2_5_VLForConditionalGeneration",)
+    family = FAMILY.name
+    class_names = FAMILY.model_classes
 
     def vision_stats_per_video(self, calls, spans, layer_of) -> list[dict]:
         from transformers.vision_utils import get_vision_window_index

@@ -4,7 +4,27 @@ from __future__ import annotations
 
 import torch
 
+from vtc.core.families import Family
+from vtc.core.geometry import FamilyGeometry
 from vtc.hf.adapters.base import Adapter, CapturedInputs, VideoSpan, contiguous_spans, runs
+
+# media arguments of the Qwen-VL forwards (images: pixel_values + image_grid_thw, untouched by vtc)
+QWEN_MEDIA_KWARGS = ("video_grid_thw", "second_per_grid_ts", "pixel_values_videos", "mm_encoder_outputs")
+QWEN_VISION_STATS = frozenset({"received", "keys", "mean_query"})
+
+FAMILY = Family(
+    name="qwen2_vl",
+    summary="Qwen2-VL: one <|video_pad|> run per video, 3-D M-RoPE, 2x2 merge inside the vision tower",
+    geometry=FamilyGeometry("qwen2_vl", mrope=True),
+    model_classes=("Qwen2VLForConditionalGeneration",),
+    processor_classes=("Qwen2VLProcessor",),
+    adapter="vtc.hf.adapters.qwen2_vl:Qwen2VLAdapter",
+    frame_rule="round",
+    media_kwargs=QWEN_MEDIA_KWARGS,
+    vision_stats=QWEN_VISION_STATS,
+    features=frozenset({"mrope", "merge_units", "streaming"}),
+    tiny="vtc.testing.tiny:build_qwen2_vl",
+)
 
 
 def qwen_grids(
@@ -91,8 +111,8 @@ def qwen_stats_on_grid(merge: int, calls, grids, layer_of, window_index_fn=None)
 
 
 class Qwen2VLAdapter(Adapter):
-    family = "qwen2_vl"
-    class_names = ("Qwen2VLForConditionalGeneration",)
+    family = FAMILY.name
+    class_names = FAMILY.model_classes
     mrope = True
 
     @property

@@ -6,15 +6,38 @@ from __future__ import annotations
 
 import torch
 
+from vtc.core.families import Family
+from vtc.core.geometry import FamilyGeometry
 from vtc.hf.adapters.base import CapturedInputs, VideoSpan, runs
-from vtc.hf.adapters.qwen2_vl import Qwen2VLAdapter, qwen_grids, video_runs, video_token_counts
+from vtc.hf.adapters.qwen2_vl import (
+    QWEN_MEDIA_KWARGS,
+    QWEN_VISION_STATS,
+    Qwen2VLAdapter,
+    qwen_grids,
+    video_runs,
+    video_token_counts,
+)
+
+FAMILY = Family(
+    name="qwen3_vl",
+    summary="Qwen3-VL: one <t seconds><|vision_start|>...<|vision_end|> segment per temporal patch, DeepStack",
+    geometry=FamilyGeometry("qwen3_vl", mrope=True),
+    model_classes=("Qwen3VLForConditionalGeneration",),
+    processor_classes=("Qwen3VLProcessor",),
+    adapter="vtc.hf.adapters.qwen3_vl:Qwen3VLAdapter",
+    frame_rule="round",
+    media_kwargs=QWEN_MEDIA_KWARGS,
+    vision_stats=QWEN_VISION_STATS,
+    features=frozenset({"mrope", "merge_units", "deepstack", "timestamps", "frame_text", "streaming"}),
+    tiny="vtc.testing.tiny:build_qwen3_vl",
+)
 
 
 class Qwen3VLAdapter(Qwen2VLAdapter):
     """Same vision tower layout as Qwen2-VL (`visual.blocks`, 2x2 merger); different token layout."""
 
-    family = "qwen3_vl"
-    class_names = ("Qwen3VLForConditionalGeneration",)
+    family = FAMILY.name
+    class_names = FAMILY.model_classes
     deepstack = True
 
     def _segments_per_video(self, captured: CapturedInputs) -> list[list[tuple[int, int, int]]] | None:
