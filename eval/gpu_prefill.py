@@ -1,7 +1,7 @@
 """End-to-end prefill check on a GPU: does vtc's in-LLM compression pay for itself on a 7B model?
 
-Once a prefill plugin (FastV, FrameFusion) shortens the sequence, vtc runs the layer's attention itself with SDPA
-(a dense mask only where there is padding) instead of the model's own attention function. That must not cost
+Once a prefill plugin (FastV, FrameFusion) shortens the sequence, the shortened layers still run the model's own
+attention implementation, on gathered position ids (a mask only where there is padding). That must not cost
 more than the tokens it saves. This script builds a random-weight model with the shapes of Qwen2.5-VL-7B (from
 its config.json; offline, bf16, on the GPU), feeds it a generated 64-frame clip, and for each attention
 implementation ("sdpa", and "flash_attention_2" when flash_attn imports) times the prefill of the unpatched model

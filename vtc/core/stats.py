@@ -16,6 +16,18 @@ class StageRecord:
 
 
 @dataclasses.dataclass
+class AttentionFallback:
+    """An LLM layer whose attention ran another implementation than the model's own (`ForwardStats.attention_fallbacks`;
+    when each happens: docs/concepts.md, "Attention implementations")."""
+
+    layer: int
+    from_impl: str  # the model's own (config._attn_implementation), e.g. "flash_attention_2"
+    to_impl: str  # what ran instead ("sdpa")
+    reason: str  # "padding", "bidirectional", "masked keys" or "mask function"
+    phase: str = "prefill"  # or "decode" (decode steps record on the prefill they continue)
+
+
+@dataclasses.dataclass
 class ForwardStats:
     """One prefill (a forward call whose prompt contained the video tokens)."""
 
@@ -36,6 +48,12 @@ class ForwardStats:
     reports: dict[str, dict[str, list[Any]]] = dataclasses.field(default_factory=dict)
     prefill_seconds: float = 0.0  # time inside the LLM (text model) forward
     note: str = ""
+    # what vtc warned about this prompt's inputs (`handle.prepare`: a video with fewer frames than asked for)
+    warnings: list[str] = dataclasses.field(default_factory=list)
+    # with `prefill` methods: the attention implementation that computed each LLM layer's output at prefill, and the
+    # layers that could not keep the model's own (each listed once per prompt)
+    layer_attention: list[str] = dataclasses.field(default_factory=list)
+    attention_fallbacks: list[AttentionFallback] = dataclasses.field(default_factory=list)
 
     @property
     def retention(self) -> float:
@@ -94,6 +112,11 @@ class ForwardStats:
             lines.append(f"per video (grid -> tokens entering the LLM): {per_video}")
         if self.layer_visual_tokens:
             lines.append("per LLM layer: " + " ".join(str(n) for n in self.layer_visual_tokens))
+        lines += [f"warning: {w}" for w in self.warnings]
+        for fb in self.attention_fallbacks:
+            lines.append(
+                f"attention fallback ({fb.phase}): layer {fb.layer} ran {fb.to_impl}, not {fb.from_impl} ({fb.reason})"
+            )
         return "\n".join(lines)
 
 
@@ -104,9 +127,18 @@ class StatsRecorder:
         self.last: ForwardStats | None = None
         self.prefills = 0
         self._current: ForwardStats | None = None
+        self._pending_warnings: list[str] = []
+
+    def warn_next(self, messages: list[str]) -> None:
+        """Warnings about the inputs of the next prefill with a video (what `handle.prepare` warned about), for its
+        `ForwardStats.warnings`; they replace what an earlier call left (one request at a time)."""
+        self._pending_warnings = list(messages)
 
     def begin(self, has_video: bool, **fields) -> ForwardStats:
         self._current = ForwardStats(has_video=has_video, **fields)
+        if has_video and self._pending_warnings:
+            self._current.warnings.extend(self._pending_warnings)
+            self._pending_warnings = []
         return self._current
 
     @property
@@ -136,6 +168,13 @@ class StatsRecorder:
         entry = target.reports.setdefault(method, {})
         for name, items in values.items():
             entry.setdefault(name, []).extend(items)
+
+    def attention_fallback(self, record: AttentionFallback) -> None:
+        """Note a layer that ran another attention implementation, on the forward in progress (or, during decode
+        steps, on the prefill they continue); each record once per prompt."""
+        target = self._current if self._current is not None else self.last
+        if target is not None and record not in target.attention_fallbacks:
+            target.attention_fallbacks.append(record)
 
     def end(self) -> None:
         if self._current is not None:

@@ -7,11 +7,35 @@ Hooks, all on the patched model's own modules (removed by `remove()`):
     "after_attention" on the residual stream (h + Attn(LN(h))), and if they shrink it, runs the MLP on the
     short stream and makes the layer return `short + MLP(LN(short))`, exactly as a forward written for it
     would (the layer's own full-length residual add is discarded);
-  * the registered attention function (`vtc.hf.llm.attention`): explicit attention rows for plugins that ask,
-    and masks for layers whose keys no longer line up with the mask transformers built.
+  * attention module forward pre-hook + vtc's dispatcher (`vtc.hf.llm.attention`): explicit attention rows for
+    plugins that ask, and masks for layers whose keys no longer line up with the mask transformers built, while
+    the layer's output comes from the model's own attention implementation.
 Layers cache only the tokens alive when they ran, so the KV cache is ragged across layers; decode steps
 use per-layer key masks recorded at prefill. Survivors keep their original positions (RoPE rows are
 gathered, never recomputed), so decoding continues from the original prompt length.
+
+Which attention implementation each layer runs (the model's own is `config._attn_implementation`, read per
+attention module when patching: "sdpa", "eager", "flash_attention_2", or any function registered with
+transformers' `AttentionInterface`):
+  * layers before any change, and every forward without a video: the model's own, with transformers' own mask
+    (bit-identical to the unpatched model);
+  * a layer whose attention rows a method requests (`request_attention`): the model's own for the layer's output,
+    over the full sequence; the requested rows are computed separately by vtc (`attention_rows`: softmax of those
+    query rows against the layer's keys), never by switching the layer to eager;
+  * layers after a prune or merge: the model's own, on the shortened sequence with its gathered RoPE rows and
+    position ids, given the mask that implementation takes (`attention.mask_format`): none at all when there is
+    no padding (SDPA's and flash-attention's `is_causal` path), otherwise SDPA's dense boolean mask, eager's
+    additive mask, flash-attention's 2-D padding mask (the unpadded varlen path transformers uses for any padded
+    batch), or what the implementation's registered mask function builds;
+  * decode steps: the same rule over the layer's own (ragged) cache, with the keys it cached at prefill (and those
+    `mask_keys` hides) masked;
+  * `attend_bidirectionally()`: SDPA and eager run non-causal with a dense mask, flash-attention with
+    `is_causal=False` and its padding mask;
+  * what no mask can express for the model's implementation (it registered no mask function and the batch is
+    padded or cached keys are hidden; a bidirectional layer on an implementation other than those above; a mask
+    function that fails on the shortened layout): that layer runs SDPA with a dense mask. vtc warns once per
+    patch (`AttentionFallbackWarning`) and records each such layer in `handle.stats().attention_fallbacks`.
+`handle.stats().layer_attention` lists the implementation that computed each layer at the last prefill.
 
 Methods that declare `MethodInfo(acts_during_decode=True)` are also called at "layer_start" of every layer during decode
 steps (`state.phase == "decode"`), where they may read attention rows of the new token and hide cached
@@ -20,17 +44,44 @@ prompt keys from the following layers for that step (`state.mask_keys`), as DyCo
 
 from __future__ import annotations
 
+import dataclasses
 import types
+import warnings
 from typing import Any, Callable
 
 import torch
 
-from vtc.core.contract import TokenLayout
+from vtc.core.stats import AttentionFallback
+from vtc.core.tokens import TokenLayout
 from vtc.hf.llm import attention as attn_mod
 from vtc_kernels import mean_into_anchors
 from vtc_kernels.attention import attention_rows
 
 Tensor = torch.Tensor
+
+
+class AttentionFallbackWarning(UserWarning):
+    """A layer of a patched model ran SDPA instead of the model's own attention implementation (see
+    `handle.stats().attention_fallbacks`)."""
+
+
+@dataclasses.dataclass
+class _Implementation:
+    """One attention module's own implementation, as found when patching."""
+
+    name: str  # config._attn_implementation
+    function: Callable  # what the module's forward dispatches to
+    mask: str  # the mask it takes (`attention.mask_format`)
+    config: Any  # the module's real config
+    view: attn_mod.DispatchConfig  # what the module sees during its forward while vtc drives it
+
+
+FALLBACK_REASONS = {
+    "padding": "the batch is padded after a prune and {impl} takes no attention mask",
+    "bidirectional": "a method asked for bidirectional attention, which vtc cannot request from {impl}",
+    "masked keys": "this layer's cached keys are ragged or partly hidden and {impl} takes no attention mask",
+    "mask function": "the mask function registered for {impl} failed on the shortened sequence",
+}
 
 
 class LLMState:
@@ -172,6 +223,7 @@ class LLMRuntime:
         family: str,
         deepstack: bool = False,
         decode_plugins: bool = False,
+        recorder: Any = None,
     ) -> None:
         self.text_model = text_model
         self.layers = list(layers)
@@ -180,25 +232,28 @@ class LLMRuntime:
         self.deepstack = deepstack
         self.decode_plugins = decode_plugins
         self.state = LLMState(self)
+        # where attention fallbacks are recorded (`StatsRecorder`); by default the recorder of the patch whose
+        # method `call_plugins` is
+        if recorder is None:
+            recorder = getattr(getattr(call_plugins, "__self__", None), "recorder", None)
+        self.recorder = recorder
         self._handles: list[Any] = []
-        self._orig_attn: dict[torch.nn.Module, Callable] = {}
-        self._config_attn_before: str | None = None
+        self._impl: dict[torch.nn.Module, _Implementation] = {}
+        self._warned = False
         self.reset()
 
     # --- install / remove ------------------------------------------------------------------------------------
     def install(self) -> None:
         attn_mod.ensure_registered()
-        config = self.text_model.config
-        self._config_attn_before = config._attn_implementation
         for i, layer in enumerate(self.layers):
             module = layer.self_attn
-            self._orig_attn[module] = attn_mod.original_attention(self._config_attn_before, module)
+            self._impl[module] = self._implementation(module, module.config)
             attn_mod.RUNTIME_BY_MODULE[module] = self
             self._handles.append(layer.register_forward_pre_hook(self._make_layer_pre_hook(i), with_kwargs=True))
             self._handles.append(layer.register_forward_hook(self._layer_post_hook, with_kwargs=True))
+            self._handles.append(module.register_forward_pre_hook(self._attention_pre_hook))
             self._handles.append(layer.post_attention_layernorm.register_forward_pre_hook(self._post_attn_norm_hook))
             self._handles.append(layer.mlp.register_forward_hook(self._mlp_hook))
-        config._attn_implementation = attn_mod.ATTENTION_NAME
         if self.deepstack:
             original = self.text_model._deepstack_process
             runtime = self
@@ -208,14 +263,26 @@ class LLMRuntime:
 
             self.text_model._deepstack_process = types.MethodType(deepstack_process, self.text_model)
 
+    @staticmethod
+    def _implementation(module: torch.nn.Module, config: Any) -> _Implementation:
+        """The module's own implementation (its config is usually the text model's, shared by every layer)."""
+        name = config._attn_implementation
+        return _Implementation(
+            name=name,
+            function=attn_mod.original_attention(name, module),
+            mask=attn_mod.mask_format(name),
+            config=config,
+            view=attn_mod.DispatchConfig(config),
+        )
+
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        for module in self._orig_attn:
+        for module, impl in self._impl.items():
             attn_mod.RUNTIME_BY_MODULE.pop(module, None)
-        self._orig_attn.clear()
-        self.text_model.config._attn_implementation = self._config_attn_before
+            module.config = impl.config
+        self._impl.clear()
         if self.deepstack and "_deepstack_process" in vars(self.text_model):
             del self.text_model._deepstack_process
         self.reset()
@@ -244,6 +311,8 @@ class LLMRuntime:
         self.grids: list[list[tuple[int, int, int]]] = []
         self.visual_in: Tensor | None = None
         self.layer_visual: list[int] = []
+        self.layer_impl: dict[int, str] = {}  # the implementation that computed each layer at this prefill
+        self.fallbacks: list[AttentionFallback] = []  # this prompt's layers that could not run their own
         self._mid_short: Tensor | None = None
         self._layer_out: Tensor | None = None
         # kept after the prefill, for decode steps
@@ -255,6 +324,9 @@ class LLMRuntime:
         self, layout: TokenLayout, grids: list[list[tuple[int, int, int]]], side: dict[str, Tensor] | None = None
     ) -> None:
         self.reset()
+        for module, impl in self._impl.items():  # `model.set_attn_implementation(...)` since the last prefill
+            if impl.config._attn_implementation != impl.name:
+                self._impl[module] = self._implementation(module, impl.config)
         self.active = True
         self.layout = layout
         self.grids = grids
@@ -270,6 +342,9 @@ class LLMRuntime:
 
     def end_forward(self) -> list[int]:
         counts = self.layer_visual
+        stats = None if self.recorder is None else self.recorder.current
+        if self.active and stats is not None and self.layer_impl:
+            stats.layer_attention = [self.layer_impl.get(i, "") for i in range(len(self.layers))]
         self.active = False
         self.decoding = False
         self.hidden = None
@@ -463,9 +538,18 @@ class LLMRuntime:
         return out
 
     # --- attention -------------------------------------------------------------------------------------------
+    def _attention_pre_hook(self, module, args):
+        """While vtc drives a forward, the module looks its attention function up in a view of its config that
+        names vtc's dispatcher (which puts the real config back at once); otherwise it runs as unpatched."""
+        impl = self._impl.get(module)
+        if impl is not None:
+            module.config = impl.view if (self.active or self.decoding) else impl.config
+        return None
+
     def attention(self, module, query, key, value, attention_mask, **kwargs):
+        impl = self._impl[module]
+        module.config = impl.config  # the dispatch is done: the function sees the module as it is
         layer = module.layer_idx
-        original = self._orig_attn[module]
         q_len, kv_len = query.shape[2], key.shape[2]
         scaling = kwargs.get("scaling", module.scaling)
         if self.active:
@@ -474,26 +558,24 @@ class LLMRuntime:
             self.layer_altered[layer] = self.altered
             if layer in self.requests:
                 self._capture_prefill(layer, query, key, scaling)
-            if layer in self.bidirectional:
-                mask = self._prefill_mask(layout.valid.to(query.device), causal=False)
-                return attn_mod.original_attention("sdpa")(module, query, key, value, mask, **kwargs)
-            if not self.altered:
-                return original(module, query, key, value, attention_mask, **kwargs)
+            causal = layer not in self.bidirectional
+            if not self.altered and causal:
+                self.layer_impl[layer] = impl.name
+                return impl.function(module, query, key, value, attention_mask, **kwargs)
             if kv_len != q_len:
                 raise RuntimeError(
                     "vtc prefill plugins compress the first forward of a sequence only; this forward continues "
                     "a non-empty cache with a new video"
                 )
-            # no padding: plain causal attention (SDPA's is_causal path, the fast one)
-            mask = None if bool(layout.valid.all()) else self._prefill_mask(layout.valid.to(query.device))
-            return attn_mod.original_attention("sdpa")(module, query, key, value, mask, **kwargs)
+            valid = layout.valid.to(query.device)
+            return self._prefill_attention(impl, module, query, key, value, valid, causal, kwargs)
         if not self.decoding or layer not in self.layer_layouts:
-            return original(module, query, key, value, attention_mask, **kwargs)
+            return impl.function(module, query, key, value, attention_mask, **kwargs)
         prefix = self.layer_layouts[layer].valid.to(query.device)
         if self.step_mask is not None and layer >= self.step_mask[0]:
             prefix = prefix & self.step_mask[1].to(query.device)
         elif not self.layer_altered.get(layer, False) and layer not in self.requests:
-            return original(module, query, key, value, attention_mask, **kwargs)
+            return impl.function(module, query, key, value, attention_mask, **kwargs)
         visible = self._decode_mask(prefix, q_len, kv_len)
         if layer in self.requests:
             probs = attention_rows(
@@ -506,9 +588,113 @@ class LLMRuntime:
             )
             self.captured[layer] = probs
             self.captured_rows_valid[layer] = torch.ones(probs.shape[0], q_len, dtype=torch.bool)
-        if q_len == 1 and bool(visible.all()):
-            visible = None  # one new token sees every cached key
-        return attn_mod.original_attention("sdpa")(module, query, key, value, visible, **kwargs)
+        return self._decode_attention(impl, module, query, key, value, prefix, visible, kwargs)
+
+    def _prefill_attention(self, impl, module, query, key, value, valid: Tensor, causal: bool, kwargs):
+        """A prefill layer over the current (shortened) slots: the model's own implementation with the mask it
+        takes, or SDPA where no mask it takes says what is needed."""
+        padded = not bool(valid.all())
+        kind = impl.mask
+        reason = None
+        if kind == "sdpa":
+            # no padding: plain causal attention (SDPA's is_causal path, the fast one)
+            mask = None if causal and not padded else self._prefill_mask(valid, causal)
+        elif kind == "eager":
+            mask = self._additive(self._prefill_mask(valid, causal), query.dtype)
+        elif kind == "flash":
+            mask = valid if padded else None  # the unpadded (varlen) path, as for any padded batch
+            if not causal:
+                kwargs = {**kwargs, "is_causal": False}
+        elif not causal:
+            mask, reason = None, "bidirectional"
+        elif kind == "custom":
+            mask, reason = self._registered_mask(impl, query, valid, valid.shape[1], 0)
+        else:  # no mask function: transformers never hands this implementation a mask
+            mask, reason = None, ("padding" if padded else None)
+        if reason is not None:
+            mask = None if causal and not padded else self._prefill_mask(valid, causal)
+            return self._fallback(impl, module, reason, "prefill", query, key, value, mask, kwargs)
+        self.layer_impl[module.layer_idx] = impl.name
+        return impl.function(module, query, key, value, mask, **kwargs)
+
+    def _decode_attention(self, impl, module, query, key, value, prefix: Tensor, visible: Tensor, kwargs):
+        """A decode step over a layer whose cache is ragged or partly hidden: `visible` [B, 1, q, kv] is the
+        dense mask; each implementation gets it in the form it takes."""
+        q_len, kv_len = query.shape[2], key.shape[2]
+        sees_all = q_len == 1 and bool(visible.all())  # one new token sees every cached key
+        kind = impl.mask
+        reason = None
+        if kind == "sdpa":
+            mask = None if sees_all else visible
+        elif kind == "eager":
+            mask = None if sees_all else self._additive(visible, query.dtype)
+        else:
+            new = torch.ones(prefix.shape[0], kv_len - prefix.shape[1], dtype=torch.bool, device=prefix.device)
+            keys = torch.cat([prefix, new], dim=1)  # [B, kv] which cached keys count
+            if kind == "flash":
+                mask = None if bool(keys.all()) else keys
+            elif kind == "custom":
+                mask, reason = self._registered_mask(impl, query, keys, q_len, kv_len - q_len)
+            else:
+                mask, reason = None, (None if bool(keys.all()) else "masked keys")
+        if reason is not None:
+            mask = None if sees_all else visible
+            return self._fallback(impl, module, reason, "decode", query, key, value, mask, kwargs)
+        return impl.function(module, query, key, value, mask, **kwargs)
+
+    @staticmethod
+    def _registered_mask(impl, query: Tensor, keys: Tensor, q_len: int, q_offset: int):
+        """The mask the implementation's registered mask function builds for `keys` [B, kv] (causal, queries at
+        `q_offset`), as transformers calls it; (None, "mask function") when it fails."""
+        from transformers.masking_utils import causal_mask_function
+
+        try:
+            mask = attn_mod.mask_function(impl.name)(
+                batch_size=keys.shape[0],
+                q_length=q_len,
+                kv_length=keys.shape[1],
+                q_offset=q_offset,
+                kv_offset=0,
+                mask_function=causal_mask_function,
+                attention_mask=keys,
+                allow_is_causal_skip=True,
+                dtype=query.dtype,
+                config=impl.config,
+                use_vmap=False,
+                device=query.device,
+            )
+        except Exception:  # another transformers generation's signature, or a layout it cannot describe
+            return None, "mask function"
+        return mask, None
+
+    def _fallback(self, impl, module, reason: str, phase: str, query, key, value, mask, kwargs):
+        """Run SDPA with a dense mask where the model's implementation cannot take the mask needed; warn once per
+        patch and record the layer in the prompt's stats."""
+        layer = module.layer_idx
+        record = AttentionFallback(layer=layer, from_impl=impl.name, to_impl="sdpa", reason=reason, phase=phase)
+        if record not in self.fallbacks:
+            self.fallbacks.append(record)
+        if self.recorder is not None:
+            self.recorder.attention_fallback(record)
+        if not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"vtc: layer {layer} of this {self.family} model ran SDPA with a dense mask instead of its own "
+                f"attention implementation {impl.name!r} ({phase}): "
+                f"{FALLBACK_REASONS[reason].format(impl=repr(impl.name))}. Each such layer is listed in "
+                f"handle.stats().attention_fallbacks; this patch warns only once.",
+                AttentionFallbackWarning,
+                stacklevel=2,
+            )
+        if phase == "prefill":
+            self.layer_impl[layer] = "sdpa"
+        return attn_mod.original_attention("sdpa")(module, query, key, value, mask, **kwargs)
+
+    @staticmethod
+    def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
+        """A boolean mask (True = may attend) as eager attention takes it: 0 where allowed, the dtype's minimum
+        elsewhere."""
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
 
     @staticmethod
     def _prefill_mask(valid: Tensor, causal: bool = True) -> Tensor:
