@@ -920,7 +920,7 @@ def check_every_method(family: Family, model, feature, stock_feature, grid) -> N
     server, wrong = model.vtc, []
     try:
         for method in servable_methods():
-            config = {"methods": method, "retention": 0.25, "params": registry()[method].test_params}
+            config = {"methods": method, "retention": 0.25, "params": registry()[method].testing.params}
             model.vtc = models.Serving(model, family.name, ServeConfig.from_dict(config))
             models.LAST_KEPT.clear()
             rows = [e.shape[0] for e in embed(model, feature)]

@@ -33,10 +33,9 @@ import math
 import torch
 import torch.nn.functional as F
 
+import vtc
 from vtc.core.geometry import FamilyGeometry, default_geometry
-from vtc.core.hookspecs import hookimpl
-from vtc.core.registry import MethodInfo
-from vtc.core.tokens import dense_mix
+from vtc.core.tokens import VideoTokens
 from vtc.core.vision_stats import VisionStat
 from vtc_kernels import reconcile_count, sinkhorn
 
@@ -48,59 +47,6 @@ SIGLIP_TOKENS = 729  # 27 x 27: the grid VISUAL_TOKEN_NUM counts on
 SETTINGS = {"mvbench": (126, 0.3), "videomme": (108, 0.1)}
 # scripts/eval_vid-7b.sh (LLaVA-Video-7B, no inter-frame step): VISUAL_TOKEN_NUM 180, logged as "25 %"
 NO_INTER_POINT = (180, 0.25)
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
-
-
-@dataclasses.dataclass
-class AOTParams:
-    visual_token_num: int | None = None  # VISUAL_TOKEN_NUM: anchors per frame, counted on 27 x 27 = 729 tokens
-    keep_ratio: float | None = None  # KEEP_RATIO: fraction of a later frame's tokens kept as residuals
-    setting: str = "mvbench"  # eval_ov-7b.sh: "mvbench" (MVBench/EgoSchema: 126/0.3), "videomme" (VMME/LVB: 108/0.1)
-    global_ratio: float = 0.5  # GLOBAL_RATIO: share of the anchors chosen globally (deep attention)
-    inter_compress: bool | None = None  # INTER_COMPRESS; None: on, except llava_next_video (eval_vid-7b.sh: off)
-    clip_frames: int | None = None  # frames per clip; None: max(1, T // 8) (official: 4 for 32 frames, 8 for 64)
-    inter_scale: float = 1.0  # INTER_SCALE: step size of the inter-frame anchor update
-    intra_scale: float = 1.0  # INTRA_SCALE: ignored, as in the code (`token_merging_siglip_with_OTA` sets 1.0)
-    epsilon: float = 0.1  # eps: Sinkhorn entropic regularisation (both steps)
-    max_iter: int = 100  # Sinkhorn iterations
-    tol: float = 1e-2  # Sinkhorn stop: mean |r - r_prev| below this
-    spatial_weight: float = 0.5  # weight of the spatial distance in the intra-frame cost
-    nn_weight: float = 0.1  # blend: nn_weight * nearest-neighbour merge + (1 - nn_weight) * OT merge
-    sigma_t: float = 1.5  # sigma_t of the time cost 1 - exp(-dt^2 / (2 sigma_t^2))
-    shallow_layer: int = 5  # `image_attentions[5]`: local anchors
-    deep_layer: int = -2  # `image_attentions[-2]`: global anchors
-    windows: int = 3  # windows per side (27 / 9 = 3 windows of 9 x 9)
-    fixed_count: bool = False  # exact, content-independent count (reconciled by score)
-    compute_dtype: str | None = None  # None: the features' (model) dtype, as the official code
-
-    def __post_init__(self):
-        if self.visual_token_num is not None and not 1 <= int(self.visual_token_num) <= SIGLIP_TOKENS:
-            raise ValueError(f"aot: visual_token_num must be in [1, 729], got {self.visual_token_num}")
-        if self.keep_ratio is not None and not 0.0 <= float(self.keep_ratio) <= 1.0:
-            raise ValueError(f"aot: keep_ratio must be in [0, 1], got {self.keep_ratio}")
-        if self.setting not in SETTINGS:
-            raise ValueError(f"aot: setting must be one of {', '.join(SETTINGS)}, got {self.setting!r}")
-        if not 0.0 <= float(self.global_ratio) <= 1.0:
-            raise ValueError(f"aot: global_ratio must be in [0, 1], got {self.global_ratio}")
-        if self.clip_frames is not None and int(self.clip_frames) < 1:
-            raise ValueError(f"aot: clip_frames must be >= 1, got {self.clip_frames}")
-        for name in ("inter_scale", "intra_scale"):
-            if float(getattr(self, name)) < 0.0:
-                raise ValueError(f"aot: {name} must be >= 0, got {getattr(self, name)}")
-        for name in ("epsilon", "sigma_t"):
-            if not float(getattr(self, name)) > 0.0:
-                raise ValueError(f"aot: {name} must be > 0, got {getattr(self, name)}")
-        if int(self.max_iter) < 1:
-            raise ValueError(f"aot: max_iter must be >= 1, got {self.max_iter}")
-        if float(self.tol) < 0.0 or float(self.spatial_weight) < 0.0:
-            raise ValueError("aot: tol and spatial_weight must be >= 0")
-        if not 0.0 <= float(self.nn_weight) <= 1.0:
-            raise ValueError(f"aot: nn_weight must be in [0, 1], got {self.nn_weight}")
-        if int(self.windows) < 1:
-            raise ValueError(f"aot: windows must be >= 1, got {self.windows}")
-        if self.compute_dtype is not None and self.compute_dtype not in DTYPES:
-            allowed = ", ".join(sorted(DTYPES))
-            raise ValueError(f"aot: compute_dtype must be None or one of {allowed}, got {self.compute_dtype}")
 
 
 # --- budgets ------------------------------------------------------------------------------------------------------
@@ -419,44 +365,123 @@ def temporal_merge(
     return out
 
 
-# --- the plugin ---------------------------------------------------------------------------------------------------
+# --- merge plans ------------------------------------------------------------------------------------------------
 
 
-def _mix_extras(extras: dict[str, Tensor], rows: Tensor, self_coef: Tensor, src: Tensor, src_coef: Tensor):
-    """Side features of merged tokens: self_coef[j] * E[rows[j]] + sum_i src_coef[j, i] * E[src[i]]."""
-    return {name: dense_mix(e, rows, self_coef, src, src_coef) for name, e in extras.items()}
+@dataclasses.dataclass
+class Block:
+    """One diagonal block of a merge plan: the kept tokens `keep` with their new features `embeds`; with `src`,
+    side features follow keep_weight * the token + weight @ the tokens `src` (`VideoTokens.merge_dense`), without
+    it the tokens stay as they are."""
+
+    keep: Tensor  # [K_b] token indices
+    embeds: Tensor  # [K_b, D] their features after the merge
+    keep_weight: Tensor | None = None  # [K_b] float32 (None: ones)
+    src: Tensor | None = None  # [S_b] token indices
+    weight: Tensor | None = None  # [K_b, S_b] float32
 
 
-class AOT:
-    def __init__(self, params: AOTParams, retention: float | None = None) -> None:
-        self.params = params
-        self.retention = retention
+def block_plan(blocks: list[Block], device, allow_repeats: bool = False) -> vtc.DenseMerge:
+    """The `DenseMerge` of consecutive diagonal blocks (frames or clips merged each on their own)."""
+    index = torch.zeros(0, dtype=torch.long, device=device)
+    return vtc.DenseMerge(
+        keep=torch.cat([b.keep for b in blocks] + [index]),
+        keep_weight=torch.cat(
+            [b.keep_weight if b.keep_weight is not None else torch.ones(b.keep.numel(), device=device) for b in blocks]
+            + [torch.zeros(0, device=device)]
+        ),
+        src=torch.cat([b.src for b in blocks if b.src is not None] + [index]),
+        src_weight=[b.weight if b.src is not None else torch.zeros(b.keep.numel(), 0, device=device) for b in blocks],
+        embeds=torch.cat([b.embeds for b in blocks]) if blocks else None,
+        allow_repeats=allow_repeats,
+    )
+
+
+# --- the method ---------------------------------------------------------------------------------------------------
+
+
+@vtc.method(
+    "aot",
+    paper="Token Reduction via Local and Global Contexts Optimization for Efficient Video LLMs (CVPR 2026)",
+    url="https://arxiv.org/abs/2603.01400",
+    summary="attention anchors per frame + Sinkhorn OT merge, then inter-frame OT merge within clips",
+    retention_note="retention picks VISUAL_TOKEN_NUM so the fixed-count total is round(r N), within one "
+    "anchor per 3 x 3 window and frame; adaptive runs follow it up to the content-dependent pooled anchor "
+    "mask (LLaVA) and residual quantile",
+    retention_granularity=9,  # anchors come one per window of the 3 x 3 layout at a time
+    test_params={"shallow_layer": 1},
+    exempt={
+        "retention": "adaptive count: on LLaVA the pooled anchor mask (>= 0.5) depends on where the anchors "
+        "fall; fixed_count=True is checked instead",
+        "ordered_positions": "official per-clip order: anchor frame, residuals, merged anchors",
+    },
+)
+class AOT(vtc.Method):
+    """Attention anchors + intra-frame OT merge, then the inter-frame OT merge per clip (official: TyroneLi/AOT
+    `LLaVA-NeXT/llava/model/llava_arch.py`)."""
+
+    visual_token_num: int | None = vtc.param(
+        None, range="[1, 729]", doc="VISUAL_TOKEN_NUM: anchors per frame, counted on 27 x 27 = 729 tokens"
+    )
+    keep_ratio: float | None = vtc.param(
+        None, range="[0, 1]", doc="KEEP_RATIO: fraction of a later frame's tokens kept as residuals"
+    )
+    setting: str = vtc.param(
+        "mvbench",
+        choices=tuple(SETTINGS),
+        doc='eval_ov-7b.sh: "mvbench" (MVBench/EgoSchema: 126/0.3), "videomme" (VMME/LVB: 108/0.1)',
+    )
+    global_ratio: float = vtc.param(0.5, range="[0, 1]", doc="GLOBAL_RATIO: share of the anchors chosen globally")
+    inter_compress: bool | None = vtc.param(
+        None, doc="INTER_COMPRESS; None: on, except llava_next_video (eval_vid-7b.sh: off)"
+    )
+    clip_frames: int | None = vtc.param(
+        None, range="[1, inf)", doc="frames per clip; None: max(1, T // 8) (official: 4 for 32 frames, 8 for 64)"
+    )
+    inter_scale: float = vtc.param(1.0, range="[0, inf)", doc="INTER_SCALE: step size of the inter-frame update")
+    intra_scale: float = vtc.param(
+        1.0, range="[0, inf)", doc="INTRA_SCALE: ignored, as in the code (`token_merging_siglip_with_OTA` sets 1.0)"
+    )
+    epsilon: float = vtc.param(0.1, range="(0, inf)", doc="eps: Sinkhorn entropic regularisation (both steps)")
+    max_iter: int = vtc.param(100, range="[1, inf)", doc="Sinkhorn iterations")
+    tol: float = vtc.param(1e-2, range="[0, inf)", doc="Sinkhorn stop: mean |r - r_prev| below this")
+    spatial_weight: float = vtc.param(0.5, range="[0, inf)", doc="weight of the spatial distance in the intra cost")
+    nn_weight: float = vtc.param(
+        0.1, range="[0, 1]", doc="blend: nn_weight * nearest-neighbour merge + (1 - nn_weight) * OT merge"
+    )
+    sigma_t: float = vtc.param(1.5, range="(0, inf)", doc="sigma_t of the time cost 1 - exp(-dt^2 / (2 sigma_t^2))")
+    shallow_layer: int = vtc.param(5, doc="`image_attentions[5]`: local anchors")
+    deep_layer: int = vtc.param(-2, doc="`image_attentions[-2]`: global anchors")
+    windows: int = vtc.param(3, range="[1, inf)", doc="windows per side (27 / 9 = 3 windows of 9 x 9)")
+    fixed_count: bool = vtc.param(False, doc="exact, content-independent count (reconciled by score)")
+    compute_dtype: vtc.DType | None = vtc.param(None, doc="None: the features' (model) dtype, as the official code")
+
+    positions = "compact"
+    prepool = True  # LLaVA: anchors and OT on the pre-pool 27 x 27 grid
 
     # --- configuration ---------------------------------------------------------------------------------------
     @property
     def keeps_everything(self) -> bool:
-        p = self.params
-        explicit = p.visual_token_num is not None or p.keep_ratio is not None
+        explicit = self.visual_token_num is not None or self.keep_ratio is not None
         return self.retention is not None and self.retention >= 1.0 and not explicit
 
     def _inter(self, geometry: FamilyGeometry) -> bool:
-        if self.params.inter_compress is not None:
-            return bool(self.params.inter_compress)
+        if self.inter_compress is not None:
+            return bool(self.inter_compress)
         return not geometry.pool_before_projector  # eval_vid-7b.sh runs LLaVA-NeXT-style models without it
 
     def _clip(self, num_frames: int) -> int:
-        return int(self.params.clip_frames) if self.params.clip_frames is not None else max(1, num_frames // 8)
+        return int(self.clip_frames) if self.clip_frames is not None else max(1, num_frames // 8)
 
     def budget(self, grid: tuple[int, int, int], family: str) -> tuple[int, float, int, bool]:
         """(VISUAL_TOKEN_NUM, KEEP_RATIO, clip length, inter step on) for a video with token grid `grid`."""
-        p = self.params
         geometry = default_geometry(family)
         inter = self._inter(geometry)
         t = int(grid[0])
         clip = self._clip(t)
-        keep = float(p.keep_ratio) if p.keep_ratio is not None else SETTINGS[p.setting][1]
-        if p.visual_token_num is not None:
-            v = int(p.visual_token_num)
+        keep = float(self.keep_ratio) if self.keep_ratio is not None else SETTINGS[self.setting][1]
+        if self.visual_token_num is not None:
+            v = int(self.visual_token_num)
         elif self.retention is not None:
             v = visual_token_num_for(
                 float(self.retention),
@@ -465,42 +490,52 @@ class AOT:
                 clip,
                 inter,
                 geometry.has_prepool_grid,
-                float(p.global_ratio),
-                int(p.windows),
+                float(self.global_ratio),
+                int(self.windows),
             )
         else:
-            v = SETTINGS[p.setting][0] if inter and clip > 1 else NO_INTER_POINT[0]
+            v = SETTINGS[self.setting][0] if inter and clip > 1 else NO_INTER_POINT[0]
         return v, keep, clip, inter
 
     def vision_stats(self, family):
-        return [VisionStat("received", self.params.shallow_layer), VisionStat("received", self.params.deep_layer)]
+        return [VisionStat("received", self.shallow_layer), VisionStat("received", self.deep_layer)]
 
     def frame_count(self, v: int, h: int, w: int, family: str) -> int:
         """Tokens per frame in fixed-count mode on a token grid h x w."""
-        p = self.params
         prepool = default_geometry(family).has_prepool_grid
-        return frame_count_for(v, h, w, prepool, float(p.global_ratio), int(p.windows))
+        return frame_count_for(v, h, w, prepool, float(self.global_ratio), int(self.windows))
 
     def retained_count(self, num_tokens: int, grid, family: str) -> int | None:
         if self.keeps_everything:
             return num_tokens
-        if not self.params.fixed_count:
+        if not self.fixed_count:
             return None  # the pooled mask and the residual quantile depend on the content
         t, h, w = grid
         if num_tokens != t * h * w:
-            return None  # an earlier plugin thinned the frames: frames may have fewer tokens than their quota
+            return None  # an earlier method thinned the frames: frames may have fewer tokens than their quota
         v, keep, clip, inter = self.budget(grid, family)
         return fixed_total(self.frame_count(v, h, w, family), t, clip, keep, inter)
 
     # --- connect -----------------------------------------------------------------------------------------------
     def _dtype(self, x: Tensor) -> torch.dtype:
-        return DTYPES[self.params.compute_dtype] if self.params.compute_dtype is not None else x.dtype
+        return vtc.as_dtype(self.compute_dtype, x.dtype)
+
+    def _ot(self, x: Tensor, mask: Tensor, coords: Tensor) -> IntraMerge:
+        return intra_ot_merge(
+            x.to(self._dtype(x)),
+            mask,
+            coords,
+            epsilon=self.epsilon,
+            max_iter=self.max_iter,
+            tol=self.tol,
+            spatial_weight=self.spatial_weight,
+            nn_weight=self.nn_weight,
+        )
 
     def _stats(self, ctx, length: int) -> tuple[Tensor, Tensor]:
-        p = self.params
         try:
-            shallow = ctx.vision[VisionStat("received", p.shallow_layer)]
-            deep = ctx.vision[VisionStat("received", p.deep_layer)]
+            shallow = ctx.vision[VisionStat("received", self.shallow_layer)]
+            deep = ctx.vision[VisionStat("received", self.deep_layer)]
         except KeyError:
             raise RuntimeError("aot: the vision-tower attention statistics were not captured") from None
         cls = ctx.geometry.cls_tokens if ctx.geometry.has_prepool_grid else 0
@@ -509,27 +544,25 @@ class AOT:
             raise RuntimeError(f"aot: attention maps have {shallow.shape[-1]} tokens per frame, expected {length}")
         return shallow.float(), deep.float()
 
-    @hookimpl
-    def vtc_connect(self, tokens, ctx):
+    def connect(self, tokens, ctx):
         n = len(tokens)
         if self.keeps_everything or n == 0:
             return tokens
         t, h, w = tokens.grid
         v, keep, clip, inter = self.budget(tokens.grid, ctx.family)
         ctx.report(budget=(v, keep, clip, inter))  # (VISUAL_TOKEN_NUM, KEEP_RATIO, clip, inter step)
-        fixed = self.params.fixed_count
-        k_fixed = self.frame_count(v, h, w, ctx.family) if fixed else None
+        k_fixed = self.frame_count(v, h, w, ctx.family) if self.fixed_count else None
         if ctx.prepool is not None and ctx.pool is not None:
             out = self._intra_prepool(tokens, ctx, v, k_fixed)
         else:
             out = self._intra_tokens(tokens, ctx, v, k_fixed)
         if inter and clip > 1:
-            out = self._inter_step(out, clip, keep, fixed)
+            out = self._inter_step(out, clip, keep, self.fixed_count)
         return out
 
-    def _intra_prepool(self, tokens, ctx, v: int, k_fixed: int | None):
-        """LLaVA: anchors + OT on the pre-pool grid, the model's pooling, the pooled mask >= 0.5."""
-        p = self.params
+    def _intra_prepool(self, tokens: VideoTokens, ctx, v: int, k_fixed: int | None) -> VideoTokens:
+        """LLaVA: anchors + OT on the pre-pool grid, the model's pooling, the pooled mask >= 0.5. The kept cells
+        take the pooled features of the merged grid."""
         grid = ctx.prepool
         frames, ph, pw, dim = grid.shape
         t, h, w = tokens.grid
@@ -538,16 +571,13 @@ class AOT:
             return tokens  # VISUAL_TOKEN_NUM == 729: no intra-frame step
         shallow, deep = self._stats(ctx, ph * pw)
         shallow, deep = shallow.to(grid.device), deep.to(grid.device)
-        per_window, num_global = anchor_budget(vg, p.global_ratio, p.windows)
-        mask = select_anchors(shallow, deep, ph, pw, per_window, num_global, p.windows)
+        per_window, num_global = anchor_budget(vg, self.global_ratio, self.windows)
+        mask = select_anchors(shallow, deep, ph, pw, per_window, num_global, self.windows)
         x = grid.reshape(frames, ph * pw, dim)
         features = x
         if bool(mask[0].any()):
             coords = grid_coords(ph, pw, dtype=self._dtype(x), device=x.device)
-            merge = intra_ot_merge(
-                x.to(self._dtype(x)), mask, coords, p.epsilon, p.max_iter, p.tol, p.spatial_weight, p.nn_weight
-            )
-            features = merge.features.to(grid.dtype)
+            features = self._ot(x, mask, coords).features.to(grid.dtype)
         pooled = ctx.pool(features.reshape(frames, ph, pw, dim))
         if tuple(pooled.shape[1:3]) != (h, w) or pooled.shape[0] != t:
             raise RuntimeError(f"aot: pooled grid {tuple(pooled.shape[:3])} does not match the tokens' {tokens.grid}")
@@ -563,166 +593,90 @@ class AOT:
         flat = torch.nonzero(cells.flatten()).flatten().to(lookup.device)
         idx = lookup[flat]
         present = idx >= 0
-        out = tokens.select(idx[present])
-        out.embeds = pooled.reshape(t * h * w, -1)[flat[present].to(pooled.device)].to(tokens.embeds.dtype)
-        return out
+        embeds = pooled.reshape(t * h * w, -1)[flat[present].to(pooled.device)].to(tokens.embeds.dtype)
+        return block_plan([Block(idx[present], embeds)], tokens.embeds.device).apply(tokens)
 
-    def _intra_tokens(self, tokens, ctx, v: int, k_fixed: int | None):
+    def _intra_tokens(self, tokens: VideoTokens, ctx, v: int, k_fixed: int | None) -> VideoTokens:
         """Qwen families: anchors + OT on the LLM token grid; the merged anchors are the frame's tokens."""
-        p = self.params
         t, h, w = tokens.grid
         length = h * w
         vg = scaled_token_num(v, h, w)
         if vg >= length:
             return tokens
         shallow, deep = self._stats(ctx, length)
-        per_window, num_global = anchor_budget(vg, p.global_ratio, p.windows)
+        per_window, num_global = anchor_budget(vg, self.global_ratio, self.windows)
         device = tokens.embeds.device
         shallow, deep = shallow.to(device), deep.to(device)
         frame, patch = tokens.frame.to(device), tokens.patch.to(device)
         full = tokens.is_full_grid
         if full:  # every frame complete: one batched merge, as the official batch over frames
             groups = [torch.arange(t * length, device=device).view(t, length)]
-        else:  # an earlier plugin thinned the video: frame by frame on the tokens present
+        else:  # an earlier method thinned the video: frame by frame on the tokens present
             groups = [idx[None] for idx in tokens.frame_groups("index")]
         coords = grid_coords(h, w, dtype=self._dtype(tokens.embeds), device=device)
-        parts = []
+        blocks: list[Block] = []
         for members in groups:
             fr, cells = frame[members[:, 0]], patch[members]  # [g], [g, n]
             if full:
-                mask = select_anchors(shallow, deep, h, w, per_window, num_global, p.windows)
+                mask = select_anchors(shallow, deep, h, w, per_window, num_global, self.windows)
             else:
                 valid = torch.zeros(1, length, dtype=torch.bool, device=device)
                 valid[0, cells[0]] = True
-                mask = select_anchors(shallow[fr], deep[fr], h, w, per_window, num_global, p.windows, valid)[
+                mask = select_anchors(shallow[fr], deep[fr], h, w, per_window, num_global, self.windows, valid)[
                     :, cells[0]
                 ]
             if k_fixed is not None:  # chosen anchors first, then deep attention
                 score = deep[fr[:, None], cells] + mask.float() * (float(deep.max()) + 1.0)
                 mask = torch.stack([reconcile_count(mask[i], score[i], k_fixed) for i in range(mask.shape[0])])
-            parts.append(self._merge_group(tokens, members, mask, coords[cells[0]]))
-        rows = torch.cat([r for r, _, _, _ in parts])
-        out = tokens.select(rows)
-        out.embeds = torch.cat([e for _, e, _, _ in parts])
-        out.weight = torch.cat([wt for _, _, wt, _ in parts])
-        if tokens.extras:
-            out.extras = {k: torch.cat([x[k] for _, _, _, x in parts]) for k in tokens.extras}
-        return out
+            blocks += self._merge_group(tokens, members, mask, coords[cells[0]])
+        return block_plan(blocks, device).apply(tokens)
 
-    def _merge_group(self, tokens, members: Tensor, mask: Tensor, coords: Tensor):
-        """Merge frames `members` [g, n] (token indices) into their anchors `mask` [g, n]: returns the anchors'
-        (token indices, merged embeds, weights, extras), frame-major."""
-        p = self.params
+    def _merge_group(self, tokens: VideoTokens, members: Tensor, mask: Tensor, coords: Tensor) -> list[Block]:
+        """The merge of frames `members` [g, n] (token indices) into their anchors `mask` [g, n]: one block per
+        frame (its anchors, their merged features, the linear map side features follow), frame-major."""
         if int(mask[0].sum()) in (0, mask.shape[1]):  # nothing to merge into / nothing to merge
             rows = members[mask]
-            return rows, tokens.embeds[rows], tokens.weight[rows], {k: e[rows] for k, e in tokens.extras.items()}
+            return [Block(rows, tokens.embeds[rows])]
         x = tokens.embeds[members]
-        merge = intra_ot_merge(
-            x.to(self._dtype(x)), mask, coords, p.epsilon, p.max_iter, p.tol, p.spatial_weight, p.nn_weight
-        )
+        merge = self._ot(x, mask, coords)
         rows = torch.gather(members, 1, merge.anchors)
         srcs = torch.gather(members, 1, merge.others)
         dim = x.shape[-1]
-        embeds = torch.gather(merge.features, 1, merge.anchors[..., None].expand(-1, -1, dim))
+        embeds = torch.gather(merge.features, 1, merge.anchors[..., None].expand(-1, -1, dim)).to(tokens.embeds.dtype)
         a, wmat = merge.coefficients()
-        extras = {}
-        if tokens.extras:
-            mixed = [_mix_extras(tokens.extras, rows[i], a[i], srcs[i], wmat[i]) for i in range(rows.shape[0])]
-            extras = {k: torch.cat([m[k] for m in mixed]) for k in tokens.extras}
-        # token counts: each non-anchor counts for the anchor it gives the most to
-        weight = tokens.weight[rows].float().scatter_add(1, wmat.argmax(dim=1), tokens.weight[srcs].float())
-        return (
-            rows.flatten(),
-            embeds.reshape(-1, dim).to(tokens.embeds.dtype),
-            weight.flatten().to(tokens.weight.dtype),
-            extras,
-        )
+        return [Block(rows[i], embeds[i], a[i], srcs[i], wmat[i]) for i in range(rows.shape[0])]
 
-    def _inter_step(self, tokens, clip: int, keep: float, fixed: bool):
-        p = self.params
+    def _inter_step(self, tokens: VideoTokens, clip: int, keep: float, fixed: bool) -> VideoTokens:
+        """The inter-frame step: per clip [anchor frame ; residuals of the later frames ; merged anchors]."""
         device = tokens.embeds.device
         frame = tokens.frame.to(device)
         # every frame of the grid, in order (a frame left without tokens still takes its place in its clip)
         members = [torch.nonzero(frame == f).flatten() for f in range(tokens.grid[0])]
-        feats = [tokens.embeds[m] for m in members]
         cdtype = self._dtype(tokens.embeds)
         clips = temporal_merge(
-            [f.to(cdtype) for f in feats],
+            [tokens.embeds[m].to(cdtype) for m in members],
             clip,
             keep,
-            p.epsilon,
-            p.max_iter,
-            p.tol,
-            p.sigma_t,
-            p.inter_scale,
-            fixed,
+            epsilon=self.epsilon,
+            max_iter=self.max_iter,
+            tol=self.tol,
+            sigma_t=self.sigma_t,
+            scale=self.inter_scale,
+            fixed=fixed,
         )
-        order, merged_slots = [], []
-        position = 0
+        blocks: list[Block] = []
         for c in clips:
             anchor_rows = members[c.anchor_frame]
-            order.append(anchor_rows)
-            position += len(anchor_rows)
-            for f, local in c.residuals:
-                order.append(members[f][local])
-                position += len(local)
-            if c.merged is not None:
-                order.append(anchor_rows)
-                merged_slots.append((position, c, anchor_rows))
-                position += len(anchor_rows)
-        rows = torch.cat(order) if order else torch.zeros(0, dtype=torch.long, device=device)
-        out = tokens.select(rows, allow_repeats=True)  # the anchor frame leads its clip and ends it, merged
-        if not merged_slots:
-            return out
-        embeds = out.embeds.clone()
-        weight = out.weight.clone().float()
-        extras = {k: v.clone() for k, v in out.extras.items()}
-        for start, c, anchor_rows in merged_slots:
-            span = slice(start, start + len(anchor_rows))
-            embeds[span] = c.merged.to(embeds.dtype)
-            srcs = [members[f] for f, _ in c.source_coef]
-            if srcs:
-                src_rows = torch.cat(srcs)
+            plain = torch.cat([anchor_rows] + [members[f][local] for f, local in c.residuals])
+            blocks.append(Block(plain, tokens.embeds[plain]))
+            if c.merged is None:
+                continue
+            # the anchor frame again, merged: a * Y0 + sum_t C_t @ X_t over the clip's later frames
+            merged = c.merged.to(tokens.embeds.dtype)
+            if c.source_coef:
+                src = torch.cat([members[f] for f, _ in c.source_coef])
                 coef = torch.cat([m for _, m in c.source_coef], dim=1)
-                if extras:
-                    mixed = _mix_extras(tokens.extras, anchor_rows, c.anchor_coef, src_rows, coef)
-                    for k in extras:
-                        extras[k][span] = mixed[k]
-                absorbed = torch.zeros(len(anchor_rows), dtype=torch.float32, device=device)
-                has = coef.sum(dim=0) > 0  # merged sources count for the anchor they give the most to
-                if bool(has.any()):
-                    absorbed.scatter_add_(0, coef[:, has].argmax(dim=0), tokens.weight[src_rows[has]].float())
-                weight[span] = weight[span] + absorbed
-        out.embeds = embeds
-        out.extras = extras
-        out.weight = weight.to(tokens.weight.dtype)
-        return out
-
-
-@hookimpl
-def vtc_register_methods(registry):
-    registry.add(
-        MethodInfo(
-            name="aot",
-            factory=AOT,
-            params=AOTParams,
-            stages=("connect",),
-            paper="Token Reduction via Local and Global Contexts Optimization for Efficient Video LLMs (CVPR 2026)",
-            url="https://arxiv.org/abs/2603.01400",
-            summary="attention anchors per frame + Sinkhorn OT merge, then inter-frame OT merge within clips",
-            fixed_count=True,
-            position_policy="compact",
-            vision_stats=True,
-            prepool=True,
-            retention_note="retention picks VISUAL_TOKEN_NUM so the fixed-count total is round(r N), within one "
-            "anchor per 3 x 3 window and frame; adaptive runs follow it up to the content-dependent pooled anchor "
-            "mask (LLaVA) and residual quantile",
-            retention_granularity=9,  # anchors come one per window of the 3 x 3 layout at a time
-            conformance_exemptions={
-                "retention": "adaptive count: on LLaVA the pooled anchor mask (>= 0.5) depends on where the anchors "
-                "fall; fixed_count=True is checked instead",
-                "ordered_positions": "official per-clip order: anchor frame, residuals, merged anchors",
-            },
-            test_params={"shallow_layer": 1},
-        )
-    )
+                blocks.append(Block(anchor_rows, merged, c.anchor_coef, src, coef))
+            else:  # no later frame had tokens to merge
+                blocks.append(Block(anchor_rows, merged, c.anchor_coef))
+        return block_plan(blocks, device, allow_repeats=True).apply(tokens)

@@ -36,37 +36,16 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from vtc.core.hookspecs import hookimpl
-from vtc.core.registry import MethodInfo
+import vtc
 from vtc_kernels import frame_cosine
 
 Tensor = torch.Tensor
 
 DEFAULT_K = 0.7  # lmms-eval `dycoke_k` (the builder's own default, 0.3, is always overridden by it)
 DEFAULT_P = 0.8  # lmms-eval `dycoke_p` (the README example uses 0.7)
-
-
-@dataclasses.dataclass
-class DyCokeParams:
-    k: float | None = None  # dycoke_k: TTM merging ratio, share of a reduced frame dropped (1 - r, else 0.7)
-    layer: int = 3  # dycoke_l (L): decode steps prune the KV cache of layers >= L, ranked by layer L-1's attention
-    p: float | None = None  # dycoke_p (P, `dycoke_radio`): fraction of video tokens hidden at a decode step (0.8)
-    threshold: float = 0.9  # `config.similarity < 0.9`: prune when the step-to-step attention cosine is below it
-    shifted_pairs: bool = False  # superseded first-commit rule `similarities[(i - 2) // 2]`: pair p ranked by pair p-1
-    drop_unpaired_frame: bool = True  # official `range(0, F - 1, 2)`: with an odd frame count the last frame is lost
-    exclude_last_token: bool = True  # official `image_token_length = len(ttm) - 1`: last video token never pruned
-
-    def __post_init__(self):
-        if self.k is not None and not 0.0 <= float(self.k) <= 1.0:
-            raise ValueError(f"dycoke: k (TTM merging ratio) must be in [0, 1], got {self.k}")
-        if self.p is not None and not 0.0 <= float(self.p) <= 1.0:
-            raise ValueError(
-                f"dycoke: p (fraction of video tokens pruned while decoding) must be in [0, 1], got {self.p}"
-            )
-        if isinstance(self.layer, bool) or int(self.layer) != self.layer or int(self.layer) < 1:
-            raise ValueError(f"dycoke: layer must be an integer >= 1 (layer-1's attention decides), got {self.layer}")
-        if not -1.0 <= float(self.threshold) <= 1.0:
-            raise ValueError(f"dycoke: threshold (a cosine similarity) must be in [-1, 1], got {self.threshold}")
+PAPER = "DyCoke: Dynamic Compression of Tokens for Fast Video Large Language Models (CVPR 2025)"
+URL = "https://arxiv.org/abs/2411.15024"
+ORDER_EXEMPTION = {"ordered_positions": "official order: a reduced frame's tokens by ascending similarity, not space"}
 
 
 # --- temporal token merging -----------------------------------------------------------------------------------
@@ -245,7 +224,7 @@ def image_span(layout, exclude_last_token: bool = True) -> Tensor:
     return span
 
 
-# --- the plugin -------------------------------------------------------------------------------------------------
+# --- the methods -------------------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass
@@ -257,30 +236,78 @@ class DecodeStep:
     kept: list[int | None]
 
 
-class DyCoke:
-    def __init__(self, params: DyCokeParams, retention: float | None = None) -> None:
-        self.params = params
-        self.retention = retention if params.k is None else None  # an explicit k wins over the retention
-        if params.k is not None:
-            self.k: float | None = float(params.k)
-        elif retention is None:
-            self.k = DEFAULT_K
-        else:
-            self.k = 0.0 if retention >= 1.0 else None  # None: chosen per video from the retention
-        if params.p is not None:
-            self.p = float(params.p)
-        else:
-            self.p = 0.0 if (retention is not None and retention >= 1.0) else DEFAULT_P
-        self._warned: set[int] = set()
+@vtc.method(
+    "dycoke",
+    paper=PAPER,
+    url=URL,
+    summary="merge tokens of paired frames by similarity; prune the video KV cache at each decode step",
+    retention_note="retention sets the prompt's count; TTM never reduces frames 0, 4, 8, ..., so below "
+    "their share (1/4 and more, 1/2 of a 4-frame grid) the floor is kept, with a warning",
+    exempt=ORDER_EXEMPTION,
+)
+class DyCoke(vtc.Method):
+    """TTM at connect, dynamic KV pruning at every decode step (official: KD-TAO/DyCoke llava_arch.py::dycole_ttm,
+    modeling_qwen2.py::PrunableDynamicCache).
+
+    Not a `LayerPruner`: the pruning acts only on decode steps (never on the prefill), hides keys for one step
+    (`mask_keys`) instead of dropping tokens, and decides per step from the attention's change."""
+
+    k: float | None = vtc.param(
+        None, range="[0, 1]", doc="dycoke_k: TTM merging ratio, share of a reduced frame dropped (1 - r, else 0.7)"
+    )
+    layer: int = vtc.param(
+        3, range="[1, inf)", doc="dycoke_l (L): decode steps prune layers >= L, ranked by layer L-1's attention"
+    )
+    p: float | None = vtc.param(
+        None, range="[0, 1]", doc="dycoke_p (P, `dycoke_radio`): fraction of video tokens hidden at a decode step (0.8)"
+    )
+    threshold: float = vtc.param(
+        0.9, range="[-1, 1]", doc="`config.similarity < 0.9`: prune when the step-to-step attention cosine is below it"
+    )
+    shifted_pairs: bool = vtc.param(
+        False, doc="superseded first-commit rule `similarities[(i - 2) // 2]`: pair p ranked by pair p-1"
+    )
+    drop_unpaired_frame: bool = vtc.param(
+        True, doc="official `range(0, F - 1, 2)`: with an odd frame count the last frame is lost"
+    )
+    exclude_last_token: bool = vtc.param(
+        True, doc="official `image_token_length = len(ttm) - 1`: the last video token is never pruned"
+    )
+
+    positions = "compact"
+    query_aware = True
+    during_decode = True
+
+    def bind(self, retention):
+        bound = super().bind(retention)
+        bound._warned = set()  # frame counts this pipeline already warned about (retention below TTM's floor)
+        return bound
+
+    def ttm_k(self) -> float | None:
+        """k for every video: the parameter (it wins over the retention), 0.7 without a retention, 0 (TTM off) at
+        retention 1; None: chosen per video from the retention (`merging_ratio`)."""
+        if self.k is not None:
+            return self.k
+        if self.retention is None:
+            return DEFAULT_K
+        return 0.0 if self.retention >= 1.0 else None
+
+    def decode_p(self) -> float:
+        """P: the parameter, else 0.8 (0, pruning off, at retention 1)."""
+        if self.p is not None:
+            return self.p
+        return 0.0 if (self.retention is not None and self.retention >= 1.0) else DEFAULT_P
 
     def merging_ratio(self, num_frames: int, tokens_per_frame: int) -> float:
         """k for a video of `num_frames` frames of `tokens_per_frame` tokens (the parameter, or from the retention)."""
-        if self.k is not None:
-            return self.k
-        k, reachable = merging_ratio_for(self.retention, num_frames, tokens_per_frame, self.params.drop_unpaired_frame)
-        if not reachable and num_frames not in self._warned:
-            self._warned.add(num_frames)
-            floor = sum(ttm_frame_counts(num_frames, tokens_per_frame, 1.0, self.params.drop_unpaired_frame))
+        k = self.ttm_k()
+        if k is not None:
+            return k
+        k, reachable = merging_ratio_for(self.retention, num_frames, tokens_per_frame, self.drop_unpaired_frame)
+        warned = self.__dict__.setdefault("_warned", set())
+        if not reachable and num_frames not in warned:
+            warned.add(num_frames)
+            floor = sum(ttm_frame_counts(num_frames, tokens_per_frame, 1.0, self.drop_unpaired_frame))
             warnings.warn(
                 f"dycoke: retention {self.retention:.3g} is below what TTM can keep of a {num_frames}-frame video "
                 f"(it never reduces frames 0, 4, 8, ...): keeping {floor} of {num_frames * tokens_per_frame} tokens "
@@ -290,17 +317,16 @@ class DyCoke:
             )
         return k
 
-    def retained_count(self, num_tokens: int, grid, family: str) -> int | None:
+    def retained_count(self, num_tokens, grid, family):
         t, h, w = (int(v) for v in grid)
         k = self.merging_ratio(t, h * w)
         if k <= 0.0:
             return num_tokens
         if num_tokens != t * h * w:
-            return None  # an earlier plugin thinned the frames: the count depends on which tokens are left
-        return sum(ttm_frame_counts(t, h * w, k, self.params.drop_unpaired_frame))
+            return None  # an earlier method thinned the frames: the count depends on which tokens are left
+        return sum(ttm_frame_counts(t, h * w, k, self.drop_unpaired_frame))
 
-    @hookimpl
-    def vtc_connect(self, tokens, ctx):
+    def connect(self, tokens, ctx):
         n = len(tokens)
         t, h, w = tokens.grid
         k = self.merging_ratio(int(t), int(h) * int(w))
@@ -313,37 +339,36 @@ class DyCoke:
             tokens.patch,
             int(h) * int(w),
             k,
-            self.params.shifted_pairs,
-            self.params.drop_unpaired_frame,
+            shifted_pairs=self.shifted_pairs,
+            drop_unpaired_frame=self.drop_unpaired_frame,
         )
         if keep.numel() == n and bool((keep == torch.arange(n, device=keep.device)).all()):
             return tokens
         return tokens.select(keep)
 
-    @hookimpl
-    def vtc_prefill(self, state, ctx):
-        if state.phase == "prefill":
+    def prefill(self, llm, ctx):
+        if llm.phase == "prefill":
             return
-        if self.p <= 0.0 or state.point != "layer_start" or state.hidden.shape[1] != 1:
+        if self.decode_p() <= 0.0 or llm.point != "layer_start" or llm.hidden.shape[1] != 1:
             return  # the official pruning acts only on one-token decode steps (`position_ids.shape[1] == 1`)
-        layer = int(self.params.layer)
-        if layer >= state.num_layers:
-            raise ValueError(f"dycoke: layer={layer} but the language model has only {state.num_layers} layers")
-        if state.layer == layer - 1:
+        if self.layer >= llm.num_layers:
+            raise ValueError(f"dycoke: layer={self.layer} but the language model has only {llm.num_layers} layers")
+        if llm.layer == self.layer - 1:
             # the official SDPA/FA2 classes return softmax(q k^T / sqrt(d)) computed in the model dtype
-            state.request_attention(num_rows=1, upcast=False)
-        elif state.layer == layer:
-            self._prune(state, ctx, layer)
+            llm.request_attention(num_rows=1, upcast=False)
+        elif llm.layer == self.layer:
+            self._prune(llm, ctx, self.layer)
 
-    def _prune(self, state, ctx, layer: int) -> None:
-        previous = ctx.store.setdefault("previous", {})  # batch row -> the last decode step's image attention
-        seen = state.prefill_layout(layer - 1)  # slots of layer L-1's cache, whose attention decides
-        target = state.prefill_layout(layer)  # slots of layer L's cache, where keys get hidden
-        scores = state.attention(layer - 1).mean(dim=1)[:, -1]  # [B, keys]: head mean, the new token's row
-        span = image_span(seen, self.params.exclude_last_token)
+    def _prune(self, llm, ctx, layer: int) -> None:
+        previous = ctx.state.setdefault("previous", {})  # batch row -> the last decode step's image attention
+        seen = llm.prefill_layout(layer - 1)  # slots of layer L-1's cache, whose attention decides
+        target = llm.prefill_layout(layer)  # slots of layer L's cache, where keys get hidden
+        scores = llm.attention(layer - 1).mean(dim=1)[:, -1]  # [B, keys]: head mean, the new token's row
+        span = image_span(seen, self.exclude_last_token)
         visible = target.valid.clone()
         step = DecodeStep([], [])
         pruned = False
+        p = self.decode_p()
         for b in range(span.shape[0]):
             slots = torch.nonzero(span[b]).flatten()
             if slots.numel() == 0:
@@ -351,7 +376,7 @@ class DyCoke:
                 step.kept.append(None)
                 continue
             current = scores[b, slots.to(scores.device)]
-            kept, similarity = kv_prune(current, previous.get(b), self.p, self.params.threshold)
+            kept, similarity = kv_prune(current, previous.get(b), p, self.threshold)
             previous[b] = current
             step.similarity.append(similarity)
             step.kept.append(None if kept is None else int(kept.numel()))
@@ -365,47 +390,21 @@ class DyCoke:
             pruned = True
         ctx.report(decode_steps=step)
         if pruned:
-            state.mask_keys(visible)
+            llm.mask_keys(visible)
 
 
-@hookimpl
-def vtc_register_methods(registry):
-    registry.add(
-        MethodInfo(
-            name="dycoke",
-            factory=DyCoke,
-            params=DyCokeParams,
-            stages=("connect", "prefill"),
-            paper="DyCoke: Dynamic Compression of Tokens for Fast Video Large Language Models (CVPR 2025)",
-            url="https://arxiv.org/abs/2411.15024",
-            summary="merge tokens of paired frames by similarity; prune the video KV cache at each decode step",
-            fixed_count=True,
-            position_policy="compact",
-            query_aware=True,
-            acts_during_decode=True,
-            retention_note="retention sets the prompt's count; TTM never reduces frames 0, 4, 8, ..., so below "
-            "their share (1/4 and more, 1/2 of a 4-frame grid) the floor is kept, with a warning",
-            conformance_exemptions={
-                "ordered_positions": "official order: a reduced frame's tokens by ascending similarity, not space"
-            },
-        )
-    )
-    # DyCoke's connect part alone (its decode-time KV pruning needs the LLM): what a vLLM server runs
-    registry.add(
-        MethodInfo(
-            name="dycoke-ttm",
-            factory=DyCoke,
-            params=DyCokeParams,
-            stages=("connect",),
-            paper="DyCoke: Dynamic Compression of Tokens for Fast Video Large Language Models (CVPR 2025)",
-            url="https://arxiv.org/abs/2411.15024",
-            summary="DyCoke's temporal token merging (TTM) only, without the decode-time KV pruning (serving)",
-            fixed_count=True,
-            position_policy="compact",
-            retention_note="as dycoke: TTM never reduces frames 0, 4, 8, ..., so below their share the floor is "
-            "kept, with a warning; layer, p and threshold are unused",
-            conformance_exemptions={
-                "ordered_positions": "official order: a reduced frame's tokens by ascending similarity, not space"
-            },
-        )
-    )
+@vtc.method(
+    "dycoke-ttm",
+    paper=PAPER,
+    url=URL,
+    summary="DyCoke's temporal token merging (TTM) only, without the decode-time KV pruning (serving)",
+    retention_note="as dycoke: TTM never reduces frames 0, 4, 8, ..., so below their share the floor is "
+    "kept, with a warning; layer, p and threshold are unused",
+    exempt=ORDER_EXEMPTION,
+)
+class DyCokeTTM(DyCoke):
+    """DyCoke's connect part alone (its decode-time KV pruning needs the LLM): what a vLLM server runs."""
+
+    prefill = vtc.Method.prefill  # no prefill hook: the class acts only at connect
+    query_aware = False
+    during_decode = False

@@ -11,25 +11,11 @@ round(N * (1 - R)), as the official HF implementation computes it.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
-from vtc.core.hookspecs import hookimpl
-from vtc.core.registry import MethodInfo
+import vtc
+from vtc.core.bases import last_token_attention
 from vtc_kernels.select import segmented_topk
-
-
-@dataclasses.dataclass
-class FastVParams:
-    k: int = 2  # K: prune before layer K, using the attention of layer K-1
-    ratio: float | None = None  # R: fraction of visual tokens dropped (default: 1 - retention, else 0.5)
-
-    def __post_init__(self):
-        if int(self.k) < 1:
-            raise ValueError(f"fastv: k must be >= 1 (attention of layer k-1 ranks the tokens), got {self.k}")
-        if self.ratio is not None and not 0.0 <= float(self.ratio) < 1.0:
-            raise ValueError(f"fastv: ratio (fraction dropped) must be in [0, 1), got {self.ratio}")
 
 
 def kept_count(num_visual: int, ratio: float) -> int:
@@ -50,47 +36,33 @@ def fastv_keep(scores: torch.Tensor, visual: torch.Tensor, valid: torch.Tensor, 
     return keep
 
 
-class FastV:
-    def __init__(self, params: FastVParams, retention: float | None = None) -> None:
-        self.params = params
-        if params.ratio is not None:
-            self.ratio = float(params.ratio)
-        else:
-            self.ratio = 1.0 - retention if retention is not None else 0.5
+@vtc.method(
+    "fastv",
+    paper="An Image is Worth 1/2 Tokens After Layer 2 (ECCV 2024)",
+    url="https://arxiv.org/abs/2403.06764",
+    summary="drop low-attention visual tokens after layer K (last-token attention)",
+)
+class FastV(vtc.LayerPruner):
+    """Rank by the last token's attention at layer K-1, keep the top (1 - R) from layer K on."""
 
-    def retained_count(self, num_tokens: int, grid, family: str) -> int:
+    k: int = vtc.param(2, range="[1, inf)", doc="K: prune before layer K, using the attention of layer K-1")
+    ratio: float | None = vtc.param(None, range="[0, 1)", doc="R: fraction dropped; default 1 - retention, else 0.5")
+
+    def dropped(self) -> float:
+        if self.ratio is not None:
+            return self.ratio
+        return 1.0 - self.retention if self.retention is not None else 0.5
+
+    def retained_count(self, num_tokens, grid, family):
         """Visual tokens at the last layer (every layer from K on keeps them; layers < K see all)."""
-        return kept_count(num_tokens, self.ratio)
+        return kept_count(num_tokens, self.dropped())
 
-    @hookimpl
-    def vtc_prefill(self, state, ctx):
-        k = int(self.params.k)
-        if state.point != "layer_start" or self.ratio == 0.0:
-            return
-        if k >= state.num_layers:
-            raise ValueError(f"fastv: k={k} but the language model has only {state.num_layers} layers")
-        if state.layer == k - 1:
-            state.request_attention(num_rows=1, upcast=True)  # what output_attentions=True (eager) returns
-        elif state.layer == k:
-            scores = state.attention(k - 1).mean(dim=1)[:, -1]  # [B, n]: last prompt token, head mean
-            layout = state.layout
-            state.keep(fastv_keep(scores, layout.visual, layout.valid, self.ratio))
+    def prune_layer(self):
+        return self.k
 
+    def skip(self):
+        return self.dropped() == 0.0
 
-@hookimpl
-def vtc_register_methods(registry):
-    registry.add(
-        MethodInfo(
-            name="fastv",
-            factory=FastV,
-            params=FastVParams,
-            stages=("prefill",),
-            paper="An Image is Worth 1/2 Tokens After Layer 2 (ECCV 2024)",
-            url="https://arxiv.org/abs/2403.06764",
-            summary="drop low-attention visual tokens after layer K (last-token attention)",
-            fixed_count=True,
-            retention_reference="last_layer",
-            owns=frozenset({"llm_token_schedule"}),
-            query_aware=True,
-        )
-    )
+    def keep_mask(self, llm, ctx):
+        layout = llm.layout
+        return fastv_keep(last_token_attention(llm, self.k - 1), layout.visual, layout.valid, self.dropped())

@@ -35,12 +35,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
+from typing import Callable, ClassVar
 
 import torch
 
+import vtc
 from vtc.core.geometry import FamilyGeometry, default_geometry
-from vtc.core.hookspecs import hookimpl
-from vtc.core.registry import MethodInfo
+from vtc.core.loading import load_pretrained
 from vtc.core.vision_stats import VisionStat
 from vtc_kernels import adjacent_frame_similarity, dpc_knn_scores, reconcile_count
 from vtc_kernels.matching import best_match
@@ -48,52 +49,10 @@ from vtc_kernels.merge import merge_into_anchors
 
 Tensor = torch.Tensor
 
-VERSIONS = ("auto", "llava", "llava_video", "qwen2_5_vl")
-# official script defaults per version: retention_ratio r and DySeg_tau
-DEFAULT_RATIO = {"llava": 0.10, "llava_video": 0.10, "qwen2_5_vl": 0.27}
-DEFAULT_TAU = {"llava": 0.9, "llava_video": 0.9, "qwen2_5_vl": 0.84}
-# the tower output SigLIP's MAP head reads: the feature layer's hidden states, what the projector receives
 # what the head reads: the feature layer's hidden states [F, L, D_vision], the tensor the projector receives
 # (`hidden_states[vision_feature_layer]`, before `post_layernorm`)
 FEATURES = VisionStat("features", -1)
 HEAD_FAMILIES = "llava_onevision (LLaVA-OneVision and LLaVA-Video checkpoints: SigLIP towers without a CLS token)"
-
-
-@dataclasses.dataclass
-class FastVIDParams:
-    retention_ratio: float | None = None  # r: per-frame budget int(n r); default retention, else 0.10 LLaVA / 0.27 Qwen
-    dyseg_c: int = 8  # c (DySeg_c): the c-1 lowest adjacent-frame similarities always cut
-    dyseg_tau: float | None = None  # tau (DySeg_tau): also cut below tau; None = 0.9 LLaVA, 0.84 Qwen2.5-VL
-    dyseg_ignore: float = 0.95  # DySeg_ignore (Qwen2.5-VL version): sub-segment cut inside a segment
-    stprune_d: float = 0.4  # d (STPrune_d): fraction of the budget given to context (merged) tokens
-    dtm_p: int = 4  # p (DTM_p): anchor frames every p frames of a segment, from its end
-    dtm_beta: float = 0.6  # beta (DTM_beta): lower bound of the anchor's weight in the merge
-    knn: int = 4  # k of the DPC-kNN density (hard-coded 4 in the official code)
-    version: str = "auto"  # "llava" (LLaVA-OV parallel), "llava_video", "qwen2_5_vl"; "auto": llava / qwen2_5_vl
-    fixed_count: bool = False  # keep exactly sum_f int(n_f r) tokens, reconciled by salience (serving)
-    head: str | None = None  # SigLIP checkpoint (hub name or path) whose MAP head gives salience + frame feature
-
-    def __post_init__(self):
-        if self.retention_ratio is not None and not 0.0 < float(self.retention_ratio) <= 1.0:
-            raise ValueError(f"fastvid: retention_ratio must be in (0, 1], got {self.retention_ratio}")
-        if int(self.dyseg_c) < 1:
-            raise ValueError(f"fastvid: dyseg_c must be >= 1, got {self.dyseg_c}")
-        if self.dyseg_tau is not None and not -1.0 <= float(self.dyseg_tau) <= 1.0:
-            raise ValueError(f"fastvid: dyseg_tau (a cosine similarity) must be in [-1, 1], got {self.dyseg_tau}")
-        if not -1.0 <= float(self.dyseg_ignore) <= 1.0:
-            raise ValueError(f"fastvid: dyseg_ignore (a cosine similarity) must be in [-1, 1], got {self.dyseg_ignore}")
-        if not 0.0 <= float(self.stprune_d) <= 1.0:
-            raise ValueError(f"fastvid: stprune_d must be in [0, 1], got {self.stprune_d}")
-        if int(self.dtm_p) < 1:
-            raise ValueError(f"fastvid: dtm_p must be >= 1, got {self.dtm_p}")
-        if not 0.0 <= float(self.dtm_beta) <= 1.0:
-            raise ValueError(f"fastvid: dtm_beta must be in [0, 1], got {self.dtm_beta}")
-        if int(self.knn) < 1:
-            raise ValueError(f"fastvid: knn must be >= 1, got {self.knn}")
-        if self.version not in VERSIONS:
-            raise ValueError(f"fastvid: version must be one of {', '.join(VERSIONS)}, got {self.version!r}")
-        if self.head is not None and (not isinstance(self.head, str) or not self.head.strip()):
-            raise ValueError(f"fastvid: head must be a SigLIP checkpoint name or path, got {self.head!r}")
 
 
 # --- DySeg --------------------------------------------------------------------------------------------------------
@@ -285,24 +244,23 @@ def _top_salient(salience: Tensor, idx: Tensor, count: int) -> tuple[Tensor, Ten
     return idx[~rest], idx[rest]
 
 
-def fastvid_llava(
+def parallel_stprune(
     embeds: Tensor,
     frames: list[Tensor],
     salience: Tensor,
-    global_features: Tensor,
+    sizes: list[int],
     r: float,
-    c: int = 8,
-    tau: float = 0.9,
-    d: float = 0.4,
-    p: int = 4,
-    beta: float = 0.6,
-    k: int = 4,
-    generator: torch.Generator | None = None,
+    d: float,
+    p: int,
+    beta: float,
+    k: int,
+    generator: torch.Generator | None,
 ) -> FastVIDPlan:
-    """The LLaVA-OneVision parallel version on one video.
+    """STPrune of the LLaVA-OneVision parallel version on the DySeg segments `sizes`.
 
-    embeds [N, D]; frames: token indices of each frame (spatial order); salience [N]; global_features [F, D]."""
-    sizes = dyseg(normalize_rows(global_features), c, tau)
+    Per frame a fixed salient / context split (`llava_frame_budget`); a segment's context budget goes to its anchor
+    frames (`llava_anchor_quotas`), whose density anchors (in score order) merge the non-salient tokens of the whole
+    segment (a single-frame segment: of the frame)."""
     budgets = [llava_frame_budget(int(idx.numel()), r, d) for idx in frames]
     context = [b[1] for b in budgets]
     quotas = llava_anchor_quotas(sizes, context, p)
@@ -344,17 +302,17 @@ def sequential_stprune(
 ) -> FastVIDPlan:
     """STPrune of the sequential versions (LLaVA-Video, Qwen2.5-VL) on the DySeg segments `sizes`.
 
-    `quotas(offset, seg_frames)` gives a segment's (salient, context) per frame. Per frame: the top-salient tokens,
-    then density anchors (sorted by index) among the rest; each anchor set absorbs every token of the segment that
-    is neither salient nor one of its own anchors."""
+    `quotas(segment, seg_frames)` gives a segment's (salient, context) per frame. Per frame: the top-salient
+    tokens, then density anchors (sorted by index) among the rest; each anchor set absorbs every token of the
+    segment that is neither salient nor one of its own anchors."""
     salient_all: list[Tensor] = []
     merges: list[Merge] = []
     sal_frames: list[int] = []
     ctx_frames: list[int] = []
     offset = 0
-    for length in sizes:
+    for segment, length in enumerate(sizes):
         seg_frames = frames[offset : offset + length]
-        sal, ctx = quotas(offset, seg_frames)
+        sal, ctx = quotas(segment, seg_frames)
         seg_salient, seg_context = [], []
         for idx, s, cq in zip(seg_frames, sal, ctx):
             top, rest = _top_salient(salience, idx, s)
@@ -373,14 +331,67 @@ def sequential_stprune(
     return FastVIDPlan(sizes, torch.cat(salient_all), merges, sal_frames, ctx_frames)
 
 
-def fastvid_qwen25(
+def sub_segments(normalized: Tensor, sizes: list[int], ignore: float) -> list[list[int]]:
+    """The Qwen2.5-VL version's sub-segments: each DySeg segment cut again after every adjacent-frame similarity
+    below DySeg_ignore (one call for every segment's similarities: segment s, first frame f, has its length - 1
+    pairs from f - s on)."""
+    bounds = [0] + list(itertools.accumulate(sizes))
+    seg_sim = adjacent_similarity(normalized, torch.tensor(bounds, device=normalized.device))
+    out, pair = [], 0
+    for length in sizes:
+        if length == 1:
+            out.append([1])
+        else:
+            sim = seg_sim[pair : pair + length - 1]
+            out.append(sizes_from_cuts(torch.nonzero(sim < ignore).flatten().tolist(), length))
+        pair += length - 1
+    return out
+
+
+def _llava_video_quotas(retain, frame_tokens, sub_sizes, d, p):
+    return llava_video_segment_quotas(retain, d, p)  # every frame its own holder: no sub-segments, no caps
+
+
+# --- the official versions ----------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Version:
+    """What differs between FastVID's official versions; DySeg, the DTM merge and the rest are shared.
+
+    ratio, tau: the official scripts' retention_ratio r and DySeg_tau.
+    parallel: STPrune with a fixed salient / context split per frame whose anchor frames merge their segment
+        (LLaVA-OneVision, `parallel_stprune`); else the sequential STPrune (`sequential_stprune`) with `quotas`.
+    quotas: the sequential versions' segment rule, (retain, frame_tokens, sub_sizes, d, p) -> (salient, context)
+        per frame of the segment.
+    sub_segments: segments are cut again at DySeg_ignore, and `quotas` gets the sub-segment sizes (Qwen2.5-VL).
+    """
+
+    name: str
+    ratio: float
+    tau: float
+    parallel: bool = False
+    quotas: Callable[..., tuple[list[int], list[int]]] | None = None
+    sub_segments: bool = False
+
+
+VERSIONS = {
+    "llava": Version("llava", ratio=0.10, tau=0.9, parallel=True),
+    "llava_video": Version("llava_video", ratio=0.10, tau=0.9, quotas=_llava_video_quotas),
+    "qwen2_5_vl": Version("qwen2_5_vl", ratio=0.27, tau=0.84, quotas=qwen25_segment_quotas, sub_segments=True),
+}
+
+
+def fastvid_plan(
+    version: Version,
     embeds: Tensor,
     frames: list[Tensor],
     salience: Tensor,
     global_features: Tensor,
     r: float,
+    *,
     c: int = 8,
-    tau: float = 0.84,
+    tau: float | None = None,
     ignore: float = 0.95,
     d: float = 0.4,
     p: int = 4,
@@ -388,48 +399,21 @@ def fastvid_qwen25(
     k: int = 4,
     generator: torch.Generator | None = None,
 ) -> FastVIDPlan:
-    """The Qwen2.5-VL version on one video (same inputs as `fastvid_llava`)."""
+    """FastVID in the official `version` on one video: DySeg on the frame features, then STPrune and DTM.
+
+    embeds [N, D]; frames: token indices of each frame (spatial order); salience [N]; global_features [F, D];
+    r: retention_ratio (int(n r) tokens per frame); c, tau: DySeg_c, DySeg_tau (None: the version's); ignore:
+    DySeg_ignore (versions with sub-segments); d: STPrune_d; p: DTM_p; beta: DTM_beta; k: the DPC-kNN k."""
     normalized = normalize_rows(global_features)
-    sizes = dyseg(normalized, c, tau)
-    bounds = [0] + list(itertools.accumulate(sizes))
-    # every segment's similarities in one call: segment s (first frame f) has its length - 1 pairs at f - s
-    seg_sim = adjacent_similarity(normalized, torch.tensor(bounds, device=normalized.device))
-    first_pair = {offset: offset - s for s, offset in enumerate(bounds[:-1])}
+    sizes = dyseg(normalized, c, version.tau if tau is None else tau)
+    if version.parallel:
+        return parallel_stprune(embeds, frames, salience, sizes, r, d, p, beta, k, generator)
+    subs = sub_segments(normalized, sizes, ignore) if version.sub_segments else None
 
-    def quotas(offset: int, seg_frames: list[Tensor]) -> tuple[list[int], list[int]]:
-        length = len(seg_frames)
+    def quotas(segment: int, seg_frames: list[Tensor]) -> tuple[list[int], list[int]]:
         tokens = [int(idx.numel()) for idx in seg_frames]
-        if length == 1:
-            sub_sizes = [1]
-        else:
-            sim = seg_sim[first_pair[offset] : first_pair[offset] + length - 1]
-            sub_sizes = sizes_from_cuts(torch.nonzero(sim < ignore).flatten().tolist(), length)
-        return qwen25_segment_quotas([int(n * r) for n in tokens], tokens, sub_sizes, d, p)
+        return version.quotas([int(n * r) for n in tokens], tokens, subs[segment] if subs else None, d, p)
 
-    return sequential_stprune(embeds, frames, salience, sizes, quotas, beta, k, generator)
-
-
-def fastvid_llava_video(
-    embeds: Tensor,
-    frames: list[Tensor],
-    salience: Tensor,
-    global_features: Tensor,
-    r: float,
-    c: int = 8,
-    tau: float = 0.9,
-    d: float = 0.4,
-    p: int = 4,
-    beta: float = 0.6,
-    k: int = 4,
-    generator: torch.Generator | None = None,
-) -> FastVIDPlan:
-    """The LLaVA-Video version on one video (same inputs as `fastvid_llava`): the sequential STPrune with
-    `llava_video_segment_quotas` (every frame of a segment keeps salient tokens; no sub-segments, no caps)."""
-
-    def quotas(offset: int, seg_frames: list[Tensor]) -> tuple[list[int], list[int]]:
-        return llava_video_segment_quotas([int(idx.numel() * r) for idx in seg_frames], d, p)
-
-    sizes = dyseg(normalize_rows(global_features), c, tau)
     return sequential_stprune(embeds, frames, salience, sizes, quotas, beta, k, generator)
 
 
@@ -482,10 +466,8 @@ def load_map_head(name: str) -> tuple[torch.nn.Module, torch.nn.Module]:
     """(post_layernorm, MAP head) of the SigLIP checkpoint `name` (hub name or local path), in float32 (cast to the
     features' dtype on use); the rest of the tower is dropped. A SiglipModel checkpoint (vision + text) loads too:
     transformers reports its text weights as unexpected."""
-    from transformers import SiglipVisionModel
-
     try:
-        model, info = SiglipVisionModel.from_pretrained(name, dtype=torch.float32, output_loading_info=True)
+        model, info = load_pretrained("siglip_vision", name, dtype=torch.float32)
     except Exception as err:  # noqa: BLE001 - every loading failure gets the same clear message
         raise ValueError(
             f"fastvid: could not load the SigLIP MAP head from head={name!r} ({type(err).__name__}: {err}); pass a "
@@ -537,7 +519,7 @@ class MAPHead:
             return map_head_outputs(*self._cast[key], features)
 
 
-# --- the plugin ---------------------------------------------------------------------------------------------------
+# --- the method ---------------------------------------------------------------------------------------------------
 
 
 def fixed_target(num_tokens: int, grid, r: float) -> int:
@@ -595,15 +577,56 @@ def assemble(tokens, plan: FastVIDPlan, salience: Tensor, target: int | None, pe
     )
 
 
-class FastVID:
-    def __init__(self, params: FastVIDParams, retention: float | None = None) -> None:
-        self.params = params
-        self.retention = retention
-        self._head: MAPHead | None = None  # params.head's MAP head, loaded once (at vtc.patch or first use)
+@vtc.method(
+    "fastvid",
+    paper="FastVID: Dynamic Density Pruning for Fast Video Large Language Models (NeurIPS 2025)",
+    url="https://arxiv.org/abs/2503.11187",
+    summary="segment by frame similarity; keep salient tokens, merge the rest into density-peak anchors",
+    retention_note="adaptive: each frame keeps int(n * retention), the DySeg/DTM quotas round down, so a "
+    "few tokens per segment below retention; fixed_count=True keeps exactly sum(int(n * retention))",
+)
+class FastVID(vtc.Method):
+    """DySeg + STPrune + DTM in the official version of the family (official: LunarShen/FastVID)."""
+
+    retention_ratio: float | None = vtc.param(
+        None, range="(0, 1]", doc="r: per-frame budget int(n r); default retention, else 0.10 LLaVA / 0.27 Qwen"
+    )
+    dyseg_c: int = vtc.param(8, range="[1, inf)", doc="c (DySeg_c): the c-1 lowest adjacent-frame similarities cut")
+    dyseg_tau: float | None = vtc.param(
+        None, range="[-1, 1]", doc="tau (DySeg_tau): also cut below tau; None = 0.9 LLaVA, 0.84 Qwen2.5-VL"
+    )
+    dyseg_ignore: float = vtc.param(
+        0.95, range="[-1, 1]", doc="DySeg_ignore (Qwen2.5-VL version): sub-segment cut inside a segment"
+    )
+    stprune_d: float = vtc.param(0.4, range="[0, 1]", doc="d (STPrune_d): fraction of the budget given to context")
+    dtm_p: int = vtc.param(
+        4, range="[1, inf)", doc="p (DTM_p): anchor frames every p frames of a segment, from its end"
+    )
+    dtm_beta: float = vtc.param(0.6, range="[0, 1]", doc="beta (DTM_beta): lower bound of the anchor's merge weight")
+    knn: int = vtc.param(4, range="[1, inf)", doc="k of the DPC-kNN density (hard-coded 4 in the official code)")
+    version: str = vtc.param(
+        "auto",
+        choices=("auto", *VERSIONS),
+        doc='"llava" (LLaVA-OV parallel), "llava_video", "qwen2_5_vl"; "auto": llava / qwen2_5_vl by family',
+    )
+    fixed_count: bool = vtc.param(False, doc="keep exactly sum_f int(n_f r) tokens, reconciled by salience (serving)")
+    head: str | None = vtc.param(
+        None, doc="SigLIP checkpoint (hub name or path) whose MAP head gives salience + frame feature"
+    )
+
+    # Families: FastVID reads the tower's statistics on the LLM token grid, through Qwen's 2x2 merge units (the
+    # "mean_query" statistic) or a pooled patch grid ("received" / "cls"); `vision_stats` asks for the one the
+    # family has, and a family offering neither (InternVL) is refused by its statistics, so `card.families` omits it.
+
+    _head: ClassVar[MAPHead | None] = None  # the MAP head of `head`, loaded once (at vtc.patch or first use)
+
+    def validate(self):
+        if self.head is not None and not self.head.strip():
+            raise ValueError(f"fastvid: head must be a SigLIP checkpoint name or path, got {self.head!r}")
 
     def vision_stats(self, family: str) -> list[VisionStat]:
         geometry = default_geometry(family)
-        if self.params.head is None:
+        if self.head is None:
             return [salience_stat(geometry)]
         self.check_head_family(geometry)
         self.map_head()  # load now, so a checkpoint that does not load fails at vtc.patch
@@ -612,15 +635,15 @@ class FastVID:
     def check_head_family(self, geometry: FamilyGeometry) -> None:
         if not head_applies(geometry):
             raise ValueError(
-                f"fastvid: head={self.params.head!r} (SigLIP's attention-pooling head) applies to {HEAD_FAMILIES}, "
+                f"fastvid: head={self.head!r} (SigLIP's attention-pooling head) applies to {HEAD_FAMILIES}, "
                 f"not to {geometry.family}; drop head= (the salience is then the vision tower's attention and the "
                 "frame feature the mean of the frame's tokens)"
             )
 
     def map_head(self) -> MAPHead:
-        """The MAP head of `params.head`, loaded on first use and kept by this plugin object."""
+        """The MAP head of `head`, loaded on first use and kept by this method object."""
         if self._head is None:
-            self._head = MAPHead(str(self.params.head))
+            self._head = MAPHead(str(self.head))
         return self._head
 
     def head_outputs(self, ctx, size: tuple[int, int]) -> tuple[Tensor, Tensor]:
@@ -638,39 +661,37 @@ class FastVID:
         salience = geometry.pool_grid(geometry.patch_map(weights), size)  # in the features' dtype, as official
         return salience.float(), pooled
 
-    def version(self, family: str) -> str:
-        """ "llava" (the LLaVA-OneVision parallel version) on families that pool a tower patch grid, else
-        "qwen2_5_vl"; the `version` parameter overrides it ("llava_video" only by hand)."""
-        if self.params.version != "auto":
-            return self.params.version
-        return "llava" if default_geometry(family).has_prepool_grid else "qwen2_5_vl"
+    def version_for(self, family: str) -> Version:
+        """The LLaVA-OneVision parallel version on families that pool a tower patch grid, else the Qwen2.5-VL one;
+        the `version` parameter overrides it ("llava_video" only by hand)."""
+        if self.version != "auto":
+            return VERSIONS[self.version]
+        return VERSIONS["llava" if default_geometry(family).has_prepool_grid else "qwen2_5_vl"]
 
-    def ratio(self, version: str) -> float:
-        if self.params.retention_ratio is not None:
-            return float(self.params.retention_ratio)
+    def ratio(self, version: Version) -> float:
+        if self.retention_ratio is not None:
+            return float(self.retention_ratio)
         if self.retention is not None:
             return float(self.retention)
-        return DEFAULT_RATIO[version]
+        return version.ratio
 
     def retained_count(self, num_tokens: int, grid, family: str) -> int | None:
-        r = self.ratio(self.version(family))
+        r = self.ratio(self.version_for(family))
         if r >= 1.0:
             return num_tokens
-        return fixed_target(num_tokens, grid, r) if self.params.fixed_count else None
+        return fixed_target(num_tokens, grid, r) if self.fixed_count else None
 
-    @hookimpl
-    def vtc_connect(self, tokens, ctx):
-        version = self.version(ctx.family)
+    def connect(self, tokens, ctx):
+        version = self.version_for(ctx.family)
         r = self.ratio(version)
         n = len(tokens)
         if r >= 1.0 or n == 0:  # every token kept as it is
             return tokens
-        p = self.params
         t, h, w = tokens.grid
         patch = tokens.patch
         device = tokens.embeds.device
         frames = tokens.frame_groups("patch")
-        if p.head is not None:
+        if self.head is not None:
             # the official salience and frame feature: SigLIP's MAP head on the tower output
             grid_salience, frame_features = self.head_outputs(ctx, (h, w))
             present = torch.stack([tokens.frame[idx[0]] for idx in frames]).to(frame_features.device)
@@ -681,37 +702,22 @@ class FastVID:
             grid_salience = salience_map(ctx.vision, ctx.geometry, (h, w))
             global_features = torch.stack([tokens.embeds[idx].mean(dim=0) for idx in frames])
         salience = grid_salience.to(device)[tokens.frame, patch]
-        tau = float(p.dyseg_tau) if p.dyseg_tau is not None else DEFAULT_TAU[version]
-        common = dict(c=int(p.dyseg_c), tau=tau, d=float(p.stprune_d), p=int(p.dtm_p), beta=float(p.dtm_beta))
-        common.update(k=int(p.knn), generator=ctx.generator)
-        if version == "llava":
-            plan = fastvid_llava(tokens.embeds, frames, salience, global_features, r, **common)
-        elif version == "llava_video":
-            plan = fastvid_llava_video(tokens.embeds, frames, salience, global_features, r, **common)
-        else:
-            plan = fastvid_qwen25(
-                tokens.embeds, frames, salience, global_features, r, ignore=float(p.dyseg_ignore), **common
-            )
-        target = fixed_target(n, tokens.grid, r) if p.fixed_count else None
+        plan = fastvid_plan(
+            version,
+            tokens.embeds,
+            frames,
+            salience,
+            global_features,
+            r,
+            c=self.dyseg_c,
+            tau=self.dyseg_tau,
+            ignore=self.dyseg_ignore,
+            d=self.stprune_d,
+            p=self.dtm_p,
+            beta=self.dtm_beta,
+            k=self.knn,
+            generator=ctx.generator,
+        )
+        target = fixed_target(n, tokens.grid, r) if self.fixed_count else None
         ctx.report(plan=plan)
         return assemble(tokens, plan, salience, target, h * w)
-
-
-@hookimpl
-def vtc_register_methods(registry):
-    registry.add(
-        MethodInfo(
-            name="fastvid",
-            factory=FastVID,
-            params=FastVIDParams,
-            stages=("connect",),
-            paper="FastVID: Dynamic Density Pruning for Fast Video Large Language Models (NeurIPS 2025)",
-            url="https://arxiv.org/abs/2503.11187",
-            summary="segment by frame similarity; keep salient tokens, merge the rest into density-peak anchors",
-            fixed_count=True,
-            position_policy="keep",
-            vision_stats=True,
-            retention_note="adaptive: each frame keeps int(n * retention), the DySeg/DTM quotas round down, so a "
-            "few tokens per segment below retention; fixed_count=True keeps exactly sum(int(n * retention))",
-        )
-    )

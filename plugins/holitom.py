@@ -6,7 +6,8 @@ Outer merge (before the LLM): split the video into temporal windows by dynamic p
 tokens as possible are identical (cosine > T) at the same position across a window; per window, average the
 static positions over time and cluster them (DPC-kNN, beta-merge), keep each frame's most attended dynamic
 tokens (vision-tower attention). Inner merge (LLM layer k): FastV selection by the last token's attention at
-layer k-1, every dropped visual token is first folded into its most similar kept token. Stages: connect, prefill.
+layer k-1, every dropped visual token is first folded into its most similar kept token. Stages: connect, prefill
+(`holitom-outer`: the outer merge alone, connect).
 
 Faithful to the official code: the DP segmentation (strict `>` ties, max window 1024), the re-scaled ratio
 r' = min(R / ((N - saved) / N), 1), round() for static clusters and ceil() per frame for dynamic tokens (Python
@@ -25,9 +26,9 @@ import math
 
 import torch
 
+import vtc
+from vtc.core.bases import last_token_attention
 from vtc.core.geometry import FamilyGeometry
-from vtc.core.hookspecs import hookimpl
-from vtc.core.registry import MethodInfo
 from vtc.core.vision_stats import VisionStat
 from vtc_kernels import adjacent_frame_similarity, assign_to_centers, dpc_knn_centers
 from vtc_kernels.matching import best_match
@@ -41,39 +42,6 @@ RECEIVED = VisionStat("received", -1)  # SigLIP attentions[-1] (last kept layer)
 def default_tau(retain_ratio: float) -> float:
     """T of scripts/eval_ov-7b_holitom.sh: 0.65 at RETAIN_RATIO 0.10, 0.80 at 0.15 / 0.20 / 0.25."""
     return 0.65 if retain_ratio <= 0.10 + 1e-9 else 0.80
-
-
-@dataclasses.dataclass
-class HoliTomParams:
-    retain_ratio: float | None = None  # RETAIN_RATIO: outer-merge budget (default: the retention, else 0.15)
-    tau: float | None = None  # T: static threshold on consecutive-frame cosine (default 0.65 at R <= 0.10, else 0.80)
-    k: int = 18  # HOLITOM_k: the inner merge runs before layer k, with the attention of layer k-1
-    r: float | None = None  # HOLITOM_r: fraction of visual tokens merged away at layer k (0.5; 0 = "w/o M")
-    beta: float = 0.6  # BETA: weight of a cluster centre against the mean of its members
-    d: float = 0.0  # D: share of each frame's dynamic budget given to contextual (DPC-kNN) tokens
-    knn: int = 7  # K: neighbours of the DPC-kNN density, capped by the number of clusters
-    max_window_size: int = 1024  # MAX_WINDOW_SIZE: longest temporal window of the DP segmentation
-    use_beta: bool = True  # NO_BETA unset; False = plain mean of centre and members
-    fixed_count: bool = False  # reconcile to round(N * R) tokens before the LLM (serving contract)
-    bidirectional_layer: bool = False  # the official SDPA run: layer k-1 attends without its causal mask
-
-    def __post_init__(self):
-        if self.retain_ratio is not None and not 0.0 < float(self.retain_ratio) <= 1.0:
-            raise ValueError(f"holitom: retain_ratio must be in (0, 1], got {self.retain_ratio}")
-        if self.tau is not None and not -1.0 <= float(self.tau) <= 1.0:
-            raise ValueError(f"holitom: tau (cosine threshold) must be in [-1, 1], got {self.tau}")
-        if int(self.k) < 1:
-            raise ValueError(f"holitom: k must be >= 1 (the attention of layer k-1 ranks the tokens), got {self.k}")
-        if self.r is not None and not 0.0 <= float(self.r) < 1.0:
-            raise ValueError(f"holitom: r (fraction merged at layer k) must be in [0, 1), got {self.r}")
-        if not 0.0 <= float(self.beta) <= 1.0:
-            raise ValueError(f"holitom: beta must be in [0, 1], got {self.beta}")
-        if not 0.0 <= float(self.d) <= 1.0:
-            raise ValueError(f"holitom: d must be in [0, 1], got {self.d}")
-        if int(self.knn) < 1:
-            raise ValueError(f"holitom: knn must be >= 1, got {self.knn}")
-        if int(self.max_window_size) < 1:
-            raise ValueError(f"holitom: max_window_size must be >= 1, got {self.max_window_size}")
 
 
 # --- outer merge: temporal segmentation ---------------------------------------------------------------------------
@@ -470,57 +438,111 @@ def inner_merge(hidden: Tensor, scores: Tensor, slots: Tensor, num_keep: int) ->
     return out, top, rest
 
 
-# --- the plugin ----------------------------------------------------------------------------------------------------
+# --- the methods ---------------------------------------------------------------------------------------------------
 
 
-class HoliTom:
-    def __init__(self, params: HoliTomParams, retention: float | None = None) -> None:
-        self.params = params
-        if params.retain_ratio is not None:
-            self.retain_ratio = float(params.retain_ratio)
-        else:
-            self.retain_ratio = float(retention) if retention is not None else DEFAULT_RETAIN_RATIO
-        self.tau = float(params.tau) if params.tau is not None else default_tau(self.retain_ratio)
-        if params.r is not None:
-            self.r = float(params.r)
-        else:
-            self.r = 0.0 if self.retain_ratio >= 1.0 else 0.5  # keeping every token: no inner merge either
+@vtc.method(
+    "holitom-outer",
+    paper="HoliTom: Holistic Token Merging for Fast Video Large Language Models (NeurIPS 2025)",
+    url="https://arxiv.org/abs/2505.21334",
+    summary="HoliTom's outer merge only (the paper's 'w/o M': no merge inside the LLM), for serving",
+    retention_note="retention is RETAIN_RATIO; a very static video keeps fewer unless fixed_count=True "
+    "(a server turns it on); k, r and bidirectional_layer are unused",
+    exempt={
+        "ordered_positions": "official output order: static clusters, then each frame",
+        "retention": "adaptive count unless fixed_count=True (checked instead)",
+    },
+)
+class HoliTomOuter(vtc.TokenMerger):
+    """HoliTom's outer merge (official `holitom/llava_arch.py`: `prepare_inputs_labels_for_multimodal` + `holitom`).
+    It takes the inner merge's parameters too, unused, so that a holitom configuration serves unchanged."""
 
-    @property
+    retain_ratio: float | None = vtc.param(
+        None, range="(0, 1]", doc="RETAIN_RATIO: outer-merge budget (default: the retention, else 0.15)"
+    )
+    tau: float | None = vtc.param(
+        None,
+        range="[-1, 1]",
+        doc="T: static threshold on consecutive-frame cosine (default 0.65 at R <= 0.10, else 0.80)",
+    )
+    k: int = vtc.param(
+        18, range="[1, inf)", doc="HOLITOM_k: the inner merge runs before layer k, with the attention of layer k-1"
+    )
+    r: float | None = vtc.param(
+        None, range="[0, 1)", doc="HOLITOM_r: fraction of visual tokens merged away at layer k (0.5; 0 = 'w/o M')"
+    )
+    beta: float = vtc.param(0.6, range="[0, 1]", doc="BETA: weight of a cluster centre against the mean of its members")
+    d: float = vtc.param(
+        0.0, range="[0, 1]", doc="D: share of each frame's dynamic budget given to contextual (DPC-kNN) tokens"
+    )
+    knn: int = vtc.param(
+        7, range="[1, inf)", doc="K: neighbours of the DPC-kNN density, capped by the number of clusters"
+    )
+    max_window_size: int = vtc.param(
+        1024, range="[1, inf)", doc="MAX_WINDOW_SIZE: longest temporal window of the DP segmentation"
+    )
+    use_beta: bool = vtc.param(True, doc="NO_BETA unset; False = plain mean of centre and members")
+    fixed_count: bool = vtc.param(False, doc="reconcile to round(N * R) tokens before the LLM (serving contract)")
+    bidirectional_layer: bool = vtc.param(False, doc="the official SDPA run: layer k-1 attends without its causal mask")
+
+    positions = "compact"
+    whole_frames = True
+
+    def retain(self) -> float:
+        """R (RETAIN_RATIO): the parameter, else the retention, else 0.15."""
+        if self.retain_ratio is not None:
+            return self.retain_ratio
+        return float(self.retention) if self.retention is not None else DEFAULT_RETAIN_RATIO
+
+    def static_tau(self) -> float:
+        """T: the parameter, else the scripts' value for R."""
+        return self.tau if self.tau is not None else default_tau(self.retain())
+
+    def inner_ratio(self) -> float:
+        """r of the merge inside the LLM: none here."""
+        return 0.0
+
     def outer_active(self) -> bool:
-        return self.retain_ratio < 1.0
+        return self.retain() < 1.0
 
     def outer_target(self, num_tokens: int) -> int:
-        return max(1, min(num_tokens, round(num_tokens * self.retain_ratio)))
+        return max(1, min(num_tokens, round(num_tokens * self.retain())))
 
-    def retained_count(self, num_tokens: int, grid, family: str) -> int | None:
+    def retained_count(self, num_tokens, grid, family):
         """Exact count at the last layer when it does not depend on the content (fixed_count, or no outer merge)."""
-        if self.outer_active and not self.params.fixed_count:
+        if self.outer_active() and not self.fixed_count:
             return None
-        outer = self.outer_target(num_tokens) if self.outer_active else num_tokens
-        return inner_kept_count(outer, self.r) if self.r > 0 else outer
+        outer = self.outer_target(num_tokens) if self.outer_active() else num_tokens
+        r = self.inner_ratio()
+        return inner_kept_count(outer, r) if r > 0 else outer
 
-    def vision_stats(self, family) -> list[VisionStat]:
-        return [RECEIVED] if self.outer_active else []
+    def vision_stats(self, family):
+        return [RECEIVED] if self.outer_active() else []
 
-    # connect ---------------------------------------------------------------------------------------------------
-    @hookimpl
-    def vtc_connect(self, tokens, ctx):
+    def plan(self, tokens, ctx):
         n = len(tokens)
-        if not self.outer_active or n == 0:
-            return tokens
-        p = self.params
-        frames, idx = tokens.whole_frames("holitom")
+        if not self.outer_active() or n == 0:
+            return None
+        frames, idx = tokens.whole_frames(self.card.name)
         _, h, w = tokens.grid
         received = ctx.vision.get(RECEIVED)
         if received is None:
-            raise RuntimeError("holitom: the vision-tower attention was not captured")
+            raise RuntimeError(f"{self.card.name}: the vision-tower attention was not captured")
         attn = attention_on_grid(received, ctx.geometry, (h, w))[frames.to(received.device)].to(tokens.embeds.device)
         x = tokens.embeds[idx]
         plan = outer_merge(
-            x, attn, self.retain_ratio, self.tau, p.beta, p.d, p.knn, p.max_window_size, p.use_beta, ctx.generator
+            x,
+            attn,
+            self.retain(),
+            self.static_tau(),
+            beta=self.beta,
+            d=self.d,
+            knn=self.knn,
+            max_window_size=self.max_window_size,
+            use_beta=self.use_beta,
+            generator=ctx.generator,
         )
-        if p.fixed_count:
+        if self.fixed_count:
             plan = reconcile_plan(plan, self.outer_target(n), x, attn, plan.windows)
         ctx.report(plan=plan)
         flat = idx.reshape(-1)
@@ -529,107 +551,68 @@ class HoliTom:
             and plan.src.numel() == 0
             and torch.equal(flat[plan.anchors], torch.arange(n, device=flat.device))
         ):
-            return tokens
-        return tokens.merge(
-            flat[plan.anchors],
-            plan.dst,
-            flat[plan.src],
-            plan.src_weight,
-            keep_weight=plan.keep_weight,
-            embeds=plan.embeds,
+            return None
+        return vtc.Merge(flat[plan.anchors], plan.dst, flat[plan.src], plan.src_weight, plan.keep_weight, plan.embeds)
+
+
+@vtc.method(
+    "holitom",
+    paper="HoliTom: Holistic Token Merging for Fast Video Large Language Models (NeurIPS 2025)",
+    url="https://arxiv.org/abs/2505.21334",
+    summary="DP temporal windows, static tokens averaged and clustered, top-attention dynamic tokens; "
+    "similarity merge at LLM layer k",
+    retention_note="retention is RETAIN_RATIO, the share of visual tokens entering the LLM (the paper's "
+    "tables), at most: a very static video keeps fewer (fixed_count=True tops up); from layer k on the "
+    "inner merge keeps round(N (1 - r)) of them (r = 0.5)",
+    test_params={"k": 2},
+    exempt={
+        "ordered_positions": "official output order: static clusters, then each frame",
+        "retention": "adaptive count: when static windows collapse more than 1 - r of the tokens the LLM sees "
+        "fewer than r; fixed_count=True (checked instead) tops up to exactly r",
+    },
+)
+class HoliTom(HoliTomOuter, vtc.LayerPruner):
+    """The outer merge, then the inner merge (official `holitom/modeling_qwen2.py`): FastV's schedule at layer k
+    (the last token's attention at layer k-1 ranks), whose prune step first folds every dropped visual token into
+    its most similar kept one."""
+
+    retention_reference = "llm_input"  # RETAIN_RATIO counts the tokens entering the LLM (the paper's tables)
+
+    def inner_ratio(self) -> float:
+        """r: the parameter, else 0.5 (0 when the outer merge keeps every token: no inner merge either)."""
+        if self.r is not None:
+            return self.r
+        return 0.0 if self.retain() >= 1.0 else 0.5
+
+    def prune_layer(self):
+        return self.k
+
+    def skip(self):
+        return self.inner_ratio() <= 0
+
+    def depth_error(self, num_layers):
+        return (
+            f"holitom: k={self.k} but the language model has only {num_layers} layers "
+            "(the inner merge runs before layer k)"
         )
 
-    # prefill ---------------------------------------------------------------------------------------------------
-    @hookimpl
-    def vtc_prefill(self, state, ctx):
-        if state.point != "layer_start":
-            return
-        k = int(self.params.k)
-        if state.layer == 0 and self.r > 0 and state.num_layers <= k:
-            raise ValueError(
-                f"holitom: k={k} but the language model has only {state.num_layers} layers "
-                "(the inner merge runs before layer k)"
-            )
-        if self.r <= 0:
-            return
-        if state.layer == k - 1:
-            state.request_attention(num_rows=1, upcast=True)  # output_attentions=True (eager) at layer k-1
-            if self.params.bidirectional_layer:  # the official SDPA run: layer k-1 without its causal mask
-                state.attend_bidirectionally()
-        elif state.layer == k:
-            self._merge(state, ctx)
+    def request(self, llm, ctx):
+        super().request(llm, ctx)  # output_attentions=True (eager) at layer k-1
+        if self.bidirectional_layer:  # the official SDPA run: layer k-1 without its causal mask
+            llm.attend_bidirectionally()
 
-    def _merge(self, state, ctx) -> None:
-        k = int(self.params.k)
-        scores = state.attention(k - 1).mean(dim=1)[:, -1]  # [B, n]: last prompt token, head mean
-        layout = state.layout
-        hidden = state.hidden.clone()
+    def prune(self, llm, ctx):
+        scores = last_token_attention(llm, self.k - 1)
+        layout = llm.layout
+        hidden = llm.hidden.clone()
         keep = layout.valid.clone()
         for b in range(hidden.shape[0]):
             total = 0
             for slots in layout.video_slots(b).values():
-                num_keep = inner_kept_count(int(slots.numel()), self.r)
+                num_keep = inner_kept_count(int(slots.numel()), self.inner_ratio())
                 hidden[b], _, dropped = inner_merge(hidden[b], scores[b].to(hidden.device), slots, num_keep)
                 keep[b, dropped.to(keep.device)] = False
                 total += num_keep
             ctx.report(kept=total)  # visual tokens of this batch row from layer k on
-        state.replace_hidden(hidden)
-        state.keep(keep)
-
-
-@hookimpl
-def vtc_register_methods(registry):
-    registry.add(
-        MethodInfo(
-            name="holitom",
-            factory=HoliTom,
-            params=HoliTomParams,
-            stages=("connect", "prefill"),
-            paper="HoliTom: Holistic Token Merging for Fast Video Large Language Models (NeurIPS 2025)",
-            url="https://arxiv.org/abs/2505.21334",
-            summary="DP temporal windows, static tokens averaged and clustered, top-attention dynamic tokens; "
-            "similarity merge at LLM layer k",
-            fixed_count=True,
-            owns=frozenset({"llm_token_schedule"}),
-            position_policy="compact",
-            query_aware=True,
-            vision_stats=True,
-            needs_whole_frames=True,
-            retention_note="retention is RETAIN_RATIO, the share of visual tokens entering the LLM (the paper's "
-            "tables), at most: a very static video keeps fewer (fixed_count=True tops up); from layer k on the "
-            "inner merge keeps round(N (1 - r)) of them (r = 0.5)",
-            conformance_exemptions={
-                "ordered_positions": "official output order: static clusters, then each frame",
-                "retention": "adaptive count: when static windows collapse more than 1 - r of the tokens the LLM sees "
-                "fewer than r; fixed_count=True (checked instead) tops up to exactly r",
-            },
-            test_params={"k": 2},
-        )
-    )
-    # HoliTom's outer merge alone (the inner merge at LLM layer k needs the LLM): what a vLLM server runs
-    registry.add(
-        MethodInfo(
-            name="holitom-outer",
-            factory=outer_only,
-            params=HoliTomParams,
-            stages=("connect",),
-            paper="HoliTom: Holistic Token Merging for Fast Video Large Language Models (NeurIPS 2025)",
-            url="https://arxiv.org/abs/2505.21334",
-            summary="HoliTom's outer merge only (the paper's 'w/o M' row: no merge inside the LLM), for serving",
-            fixed_count=True,
-            position_policy="compact",
-            vision_stats=True,
-            needs_whole_frames=True,
-            retention_note="retention is RETAIN_RATIO; a very static video keeps fewer unless fixed_count=True "
-            "(a server turns it on); k, r and bidirectional_layer are unused",
-            conformance_exemptions={
-                "ordered_positions": "official output order: static clusters, then each frame",
-                "retention": "adaptive count unless fixed_count=True (checked instead)",
-            },
-        )
-    )
-
-
-def outer_only(params: HoliTomParams, retention: float | None = None) -> HoliTom:
-    """HoliTom without its inner merge (r = 0, the paper's 'w/o M')."""
-    return HoliTom(dataclasses.replace(params, r=0.0), retention)
+        llm.replace_hidden(hidden)
+        llm.keep(keep, prune_cache=self.prune_cache)

@@ -17,8 +17,9 @@ At question time the LLM sees G ∪ A (stable runs still open are summarised too
 raster position, at most B_A + B_G = budget_tokens tokens. Stage: connect, online (streaming); the plugin glue
 lives at the end of this file.
 
-This part is the pure algorithm (no model): `LifeStreamParams`, `saliency_scores`, `LifecycleMemory` (add_frame /
-snapshot) and the token-set ops it is built from (`merge_round`, `compress_global`).
+This part is the pure algorithm (no model): `LifeStream` (the method; its fields are the parameters),
+`saliency_scores`, `LifecycleMemory` (add_frame / snapshot) and the token-set ops it is built from (`merge_round`,
+`compress_global`).
 
 Budget guarantee: after every `add_frame`, |A| <= B_A (overflow demotion) and |G| <= B_G (compression, which
 terminates because every round removes r >= 1 tokens and B_G >= 1 leaves a non-source to merge into);
@@ -39,11 +40,9 @@ import time
 
 import torch
 
-from vtc.core.hookspecs import hookimpl
-from vtc.core.registry import MethodInfo
+import vtc
+from vtc.core.stream import AnswerPast, concat_kv, kv_bytes
 from vtc.core.vision_stats import VisionStat
-from vtc.streaming.llm import concat_kv, kv_bytes
-from vtc.streaming.memory import AnswerPast
 from vtc_kernels import frame_cosine, topk_mask
 from vtc_kernels.matching import best_match
 from vtc_kernels.merge import merge_into_anchors
@@ -54,71 +53,6 @@ EMERGING, TRANSIENT, STABLE = 0, 1, 2  # lifecycle states (codes used in tensors
 STATE_NAMES = ("emerging", "transient", "stable")
 ARCHIVE, GLOBAL = 0, 1  # `MemoryTokens.kind`
 SALIENCY_MODES = ("attention", "norm")
-
-
-@dataclasses.dataclass
-class LifeStreamParams:
-    tau_life: float = 0.9  # a run continues while cos(x_t,i, x_t-1,i) >= tau_life [OPEN: StreamingTOM CTR threshold]
-    L_stable: int = 3  # run length (frames) from which a token is "stable" [OPEN]
-    rho_frame: float = 0.2  # archive quota per frame: ceil(rho_frame * N) non-stable tokens [OPEN: "discards > 80%"]
-    budget_tokens: int = 6272  # memory size B = B_A + B_G [OPEN: 32 x 196, LLaVA-OV's 32-frame budget]
-    global_fraction: float = 0.25  # B_G = round(global_fraction * B) [OPEN]
-    beta_emerging: float = 1.0  # priority factor of demoted emerging archive tokens [OPEN]
-    beta_transient: float = 1.0  # priority factor of demoted transient archive tokens [OPEN]
-    beta_stable: float = 0.5  # priority factor of stable-run summaries: long-lived content merges first [OPEN]
-    saliency: str = "attention"  # informativeness u: "attention" (received, last encoder layer) or "norm" [OPEN]
-
-    def __post_init__(self):
-        def integer(value) -> bool:
-            return not isinstance(value, bool) and isinstance(value, int | float) and int(value) == value
-
-        if not -1.0 <= float(self.tau_life) <= 1.0:
-            raise ValueError(f"lifestream: tau_life (a cosine similarity) must be in [-1, 1], got {self.tau_life}")
-        if not integer(self.L_stable) or int(self.L_stable) < 2:
-            raise ValueError(
-                f"lifestream: L_stable must be an integer >= 2 (run length 1 is 'emerging'), got {self.L_stable}"
-            )
-        if not 0.0 <= float(self.rho_frame) <= 1.0:
-            raise ValueError(
-                f"lifestream: rho_frame (archive share of a frame) must be in [0, 1], got {self.rho_frame}"
-            )
-        if not integer(self.budget_tokens) or int(self.budget_tokens) < 1:
-            raise ValueError(f"lifestream: budget_tokens must be an integer >= 1, got {self.budget_tokens}")
-        if not 0.0 < float(self.global_fraction) <= 1.0:
-            raise ValueError(f"lifestream: global_fraction must be in (0, 1], got {self.global_fraction}")
-        if self.global_budget < 1:
-            raise ValueError(
-                f"lifestream: the global memory needs at least one token, but round(global_fraction * budget_tokens)"
-                f" = round({self.global_fraction} * {self.budget_tokens}) = 0; raise global_fraction or budget_tokens"
-            )
-        for name in ("beta_emerging", "beta_transient", "beta_stable"):
-            value = float(getattr(self, name))
-            if not (math.isfinite(value) and value >= 0.0):
-                raise ValueError(f"lifestream: {name} (a priority factor) must be finite and >= 0, got {value}")
-        if self.saliency not in SALIENCY_MODES:
-            raise ValueError(f"lifestream: saliency must be one of {', '.join(SALIENCY_MODES)}, got {self.saliency!r}")
-        self.L_stable = int(self.L_stable)
-        self.budget_tokens = int(self.budget_tokens)
-
-    @property
-    def global_budget(self) -> int:
-        """B_G = round(global_fraction * budget_tokens) (Python's round: halves to even)."""
-        return round(float(self.global_fraction) * int(self.budget_tokens))
-
-    @property
-    def archive_budget(self) -> int:
-        """B_A = budget_tokens - B_G."""
-        return int(self.budget_tokens) - self.global_budget
-
-    def frame_quota(self, num_tokens: int) -> int:
-        """k_frame = ceil(rho_frame * N); the product is rounded to 9 decimals first so that float noise
-        (0.1 * 30 = 3.0000000000000004) does not add a token."""
-        return min(num_tokens, math.ceil(round(float(self.rho_frame) * num_tokens, 9)))
-
-    def betas(self, device=None) -> Tensor:
-        """[3] float32: beta per lifecycle state code (EMERGING, TRANSIENT, STABLE)."""
-        values = [self.beta_emerging, self.beta_transient, self.beta_stable]
-        return torch.tensor(values, dtype=torch.float32, device=device)
 
 
 # --- informativeness ----------------------------------------------------------------------------------------------
@@ -337,7 +271,7 @@ class LifecycleMemory:
     position the open run: previous frame's token, running mean, length, first frame, first-frame positions and the
     sum of u over the run (bookkeeping, not memory tokens)."""
 
-    def __init__(self, params: LifeStreamParams, hw: tuple[int, int]) -> None:
+    def __init__(self, params: LifeStream, hw: tuple[int, int]) -> None:
         h, w = (int(v) for v in hw)
         if h < 1 or w < 1 or (h, w) != tuple(hw):
             raise ValueError(f"lifestream: hw must be two positive integers (grid height, width), got {hw}")
@@ -542,7 +476,7 @@ class LifeStreamMemory:
 
     name = "lifestream"
 
-    def __init__(self, params: LifeStreamParams, config) -> None:
+    def __init__(self, params: LifeStream, config) -> None:
         self.params = params
         self.config = config
         self.budget_tokens = params.budget_tokens
@@ -594,27 +528,90 @@ class LifeStreamMemory:
 RECEIVED = VisionStat("received", -1)
 
 
-class LifeStream:
-    """The plugin: its connect hook scores each token's informativeness (saliency) and passes every token on;
-    its memory (`stream_memory`) does the selection."""
+@vtc.method(
+    "lifestream",
+    paper="LifeStream (NeurIPS 2026 submission; abstract only)",
+    summary="lifecycle states per position: informative non-stable tokens in an archive, runs summarised "
+    "into a compressed global memory, under a token budget (streaming)",
+)
+class LifeStream(vtc.StreamMemoryMethod):
+    """Its connect hook scores each token's informativeness (saliency) and passes every token on; its memory
+    (`stream_memory`, `LifecycleMemory`) does the selection. No official code (specs/from-abstracts.md §1)."""
 
-    def __init__(self, params: LifeStreamParams, retention: float | None = None) -> None:
+    tau_life: float = vtc.param(
+        0.9, range="[-1, 1]", doc="a run continues while cos(x_t,i, x_t-1,i) >= tau_life [OPEN: StreamingTOM CTR]"
+    )
+    L_stable: int = vtc.param(3, range="[2, inf)", doc="run length (frames) from which a token is 'stable' [OPEN]")
+    rho_frame: float = vtc.param(
+        0.2, range="[0, 1]", doc="archive quota per frame: ceil(rho_frame * N) non-stable tokens [OPEN: '> 80%']"
+    )
+    budget_tokens: int = vtc.param(
+        6272, range="[1, inf)", doc="memory size B = B_A + B_G [OPEN: 32 x 196, LLaVA-OV's 32-frame budget]"
+    )
+    global_fraction: float = vtc.param(0.25, range="(0, 1]", doc="B_G = round(global_fraction * B) [OPEN]")
+    beta_emerging: float = vtc.param(
+        1.0, range="[0, inf)", doc="priority factor of demoted emerging archive tokens [OPEN]"
+    )
+    beta_transient: float = vtc.param(
+        1.0, range="[0, inf)", doc="priority factor of demoted transient archive tokens [OPEN]"
+    )
+    beta_stable: float = vtc.param(
+        0.5, range="[0, inf)", doc="priority factor of stable-run summaries: long-lived content merges first [OPEN]"
+    )
+    saliency: str = vtc.param(
+        "attention",
+        choices=SALIENCY_MODES,
+        doc="informativeness u: 'attention' (received, last encoder layer) or 'norm' [OPEN]",
+    )
+
+    whole_frames = True
+    streams = True
+    stream_only = True
+    requires = frozenset({"streaming"})  # vtc.stream encodes chunk by chunk (`vtc.core.families`)
+
+    def validate(self) -> None:
+        if self.global_budget < 1:
+            raise ValueError(
+                f"lifestream: the global memory needs at least one token, but round(global_fraction * budget_tokens)"
+                f" = round({self.global_fraction} * {self.budget_tokens}) = 0; raise global_fraction or budget_tokens"
+            )
+
+    @property
+    def global_budget(self) -> int:
+        """B_G = round(global_fraction * budget_tokens) (Python's round: halves to even)."""
+        return round(float(self.global_fraction) * int(self.budget_tokens))
+
+    @property
+    def archive_budget(self) -> int:
+        """B_A = budget_tokens - B_G."""
+        return int(self.budget_tokens) - self.global_budget
+
+    def frame_quota(self, num_tokens: int) -> int:
+        """k_frame = ceil(rho_frame * N); the product is rounded to 9 decimals first so that float noise
+        (0.1 * 30 = 3.0000000000000004) does not add a token."""
+        return min(num_tokens, math.ceil(round(float(self.rho_frame) * num_tokens, 9)))
+
+    def betas(self, device=None) -> Tensor:
+        """[3] float32: beta per lifecycle state code (EMERGING, TRANSIENT, STABLE)."""
+        values = [self.beta_emerging, self.beta_transient, self.beta_stable]
+        return torch.tensor(values, dtype=torch.float32, device=device)
+
+    def bind(self, retention: float | None) -> LifeStream:
         if retention is not None:
             raise ValueError(
                 "lifestream is sized by budget_tokens (the memory's tokens), not by retention: "
                 "vtc.stream(model, processor, 'lifestream', budget_tokens=...)"
             )
-        self.params = params
+        return super().bind(retention)
 
     def vision_stats(self, family: str) -> list[VisionStat]:
-        return [RECEIVED] if self.params.saliency == "attention" else []
+        return [RECEIVED] if self.saliency == "attention" else []
 
-    @hookimpl
-    def vtc_connect(self, tokens, ctx):
+    def connect(self, tokens, ctx):
         t, h, w = tokens.grid
         frames = tokens.frame
         attention = None
-        if self.params.saliency == "attention":
+        if self.saliency == "attention":
             received = ctx.vision[RECEIVED]
             attention = ctx.geometry.to_token_grid(received.float(), (h, w)).to(tokens.embeds.device)[
                 frames, tokens.patch
@@ -623,32 +620,11 @@ class LifeStream:
         for f in torch.unique(frames).tolist():
             rows = frames == f
             scores[rows] = saliency_scores(
-                attention[rows] if attention is not None else None, tokens.embeds[rows], self.params.saliency
+                attention[rows] if attention is not None else None, tokens.embeds[rows], self.saliency
             )
         tokens.extras["lifestream_saliency"] = scores
         return tokens
 
     def stream_memory(self, config) -> LifeStreamMemory:
-        budget = config.budget_tokens if config.budget_tokens is not None else self.params.budget_tokens
-        return LifeStreamMemory(dataclasses.replace(self.params, budget_tokens=budget), config)
-
-
-@hookimpl
-def vtc_register_methods(registry):
-    registry.add(
-        MethodInfo(
-            name="lifestream",
-            factory=LifeStream,
-            params=LifeStreamParams,
-            stages=("connect",),
-            paper="LifeStream (NeurIPS 2026 submission; abstract only)",
-            summary="lifecycle states per position: informative non-stable tokens in an archive, runs summarised "
-            "into a compressed global memory, under a token budget (streaming)",
-            owns=frozenset({"stream_memory"}),
-            vision_stats=True,
-            needs_whole_frames=True,
-            streams=True,
-            stream_memory=True,
-            stream_only=True,
-        )
-    )
+        budget = config.budget_tokens if config.budget_tokens is not None else self.budget_tokens
+        return LifeStreamMemory(dataclasses.replace(self, budget_tokens=budget), config)

@@ -23,45 +23,19 @@ retrieved cache on 1-D RoPE families; stream positions kept on M-RoPE families (
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 
 import torch
 import torch.nn.functional as F
 
-from vtc.core.hookspecs import hookimpl
-from vtc.core.registry import MethodInfo
-from vtc.streaming.llm import KeyRotation, QueryCapture, concat_kv, kv_bytes, select_kv
-from vtc.streaming.memory import AnswerPast, oldest_frames_over_budget
+import vtc
+from vtc.core.stream import AnswerPast, concat_kv, kv_bytes, oldest_frames_over_budget, select_kv
+from vtc.media.relevance import load_clip
 from vtc_kernels import frame_cosine
 
 Tensor = torch.Tensor
 EXPERTS = ("internal+clip", "internal", "clip")
-
-
-@dataclasses.dataclass
-class MemStreamParams:
-    tau: float = 0.9  # window redundancy threshold [OPEN: StreamingTOM's 0.9]
-    window: int = 2  # side of the square token window merged as one [OPEN: 2 x 2]
-    window_tokens: int = 4800  # stored tokens a new chunk attends to [OPEN: StreamingTOM]
-    retrieval_tokens: int = 12544  # tokens of the frames retrieved for a question [OPEN: StreamingTOM]
-    chunk_frames: int = 32  # frames encoded and prefilled together [OPEN: StreamingTOM's encoder batch]
-    experts: str = "internal+clip"  # which retrieval experts vote
-    clip_model: str = "ViT-L-14"  # open_clip architecture of the external expert [OPEN: CLIP ViT-L/14]
-    clip_pretrained: str | None = "openai"  # open_clip weights tag (None: random weights, tests)
-    k_rrf: int = 60  # reciprocal-rank fusion constant [OPEN: the usual 60]
-    drift_correction: bool = False  # subtract the internal scores' linear trend over time [OPEN: off]
-
-    def __post_init__(self):
-        if not -1.0 <= float(self.tau) <= 1.0:
-            raise ValueError(f"memstream: tau must be a cosine in [-1, 1], got {self.tau!r}")
-        for name in ("window", "window_tokens", "retrieval_tokens", "chunk_frames", "k_rrf"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"memstream: {name} must be a positive integer, got {value!r}")
-        if self.experts not in EXPERTS:
-            raise ValueError(f"memstream: experts must be one of {', '.join(EXPERTS)}, got {self.experts!r}")
 
 
 # --- adaptive selection -----------------------------------------------------------------------------------------
@@ -104,29 +78,58 @@ def select_frame(x: Tensor, previous: Tensor | None, grid_hw: tuple[int, int], t
     return keep, slot, sources
 
 
-class MemStream:
-    """The plugin: adaptive selection in the connect stage, the retrieval memory as the stream's memory."""
+@vtc.method(
+    "memstream",
+    paper="MemStream (2025; abstract and project page only)",
+    summary="streaming: redundant 2x2 windows merged per frame, KV kept per frame, question-time retrieval "
+    "of frames by the LLM's queries and CLIP fused by reciprocal rank",
+    test_params={"clip_model": "vtc-tiny-clip", "clip_pretrained": None},
+)
+class MemStream(vtc.StreamMemoryMethod):
+    """Adaptive selection in the connect stage, the retrieval memory as the stream's memory (no official code)."""
 
-    def __init__(self, params: MemStreamParams, retention: float | None = None) -> None:
+    tau: float = vtc.param(0.9, range="[-1, 1]", doc="window redundancy threshold, a cosine [OPEN: StreamingTOM's 0.9]")
+    window: int = vtc.param(2, range="[1, inf)", doc="side of the square token window merged as one [OPEN: 2 x 2]")
+    window_tokens: int = vtc.param(
+        4800, range="[1, inf)", doc="stored tokens a new chunk attends to [OPEN: StreamingTOM]"
+    )
+    retrieval_tokens: int = vtc.param(
+        12544, range="[1, inf)", doc="tokens of the frames retrieved for a question [OPEN: StreamingTOM]"
+    )
+    chunk_frames: int = vtc.param(
+        32, range="[1, inf)", doc="frames encoded and prefilled together [OPEN: StreamingTOM's encoder batch]"
+    )
+    experts: str = vtc.param("internal+clip", choices=EXPERTS, doc="which retrieval experts vote")
+    clip_model: str = vtc.param("ViT-L-14", doc="open_clip architecture of the external expert [OPEN: CLIP ViT-L/14]")
+    clip_pretrained: str | None = vtc.param("openai", doc="open_clip weights tag (None: random weights, tests)")
+    k_rrf: int = vtc.param(60, range="[1, inf)", doc="reciprocal-rank fusion constant [OPEN: the usual 60]")
+    drift_correction: bool = vtc.param(False, doc="subtract the internal scores' linear trend over time [OPEN: off]")
+
+    query_aware = True
+    whole_frames = True
+    streams = True
+    stream_only = True
+    requires = frozenset({"streaming"})  # vtc.stream encodes chunk by chunk (`vtc.core.families`)
+
+    def bind(self, retention: float | None) -> MemStream:
         if retention is not None:
             raise ValueError(
                 "memstream keeps what its windows' redundancy decides (tau), and retrieves retrieval_tokens per "
                 "question; it has no retention: vtc.stream(model, processor, 'memstream', tau=0.9)"
             )
-        self.params = params
+        return super().bind(retention)
 
-    @hookimpl
-    def vtc_connect(self, tokens, ctx):
+    def connect(self, tokens, ctx):
         frames, idx = tokens.whole_frames("memstream")
         _, h, w = tokens.grid
         x = tokens.embeds[idx]
         key = ("previous", ctx.video_index)
-        previous = ctx.store.get(key)
-        ctx.store[key] = x[-1].detach().clone()
+        previous = ctx.state.get(key)
+        ctx.state[key] = x[-1].detach().clone()
         keep, dst, src, src_weight = [], [], [], []
         count = 0
         for f in range(x.shape[0]):
-            plan_keep, plan_dst, plan_src = select_frame(x[f], previous, (h, w), self.params.tau, self.params.window)
+            plan_keep, plan_dst, plan_src = select_frame(x[f], previous, (h, w), self.tau, self.window)
             row = idx[f]
             keep.append(row[plan_keep])
             dst.append(plan_dst + count)
@@ -140,8 +143,8 @@ class MemStream:
         ctx.report(merged=int(src_t.numel()))
         return tokens.merge(keep_t, torch.cat(dst), src_t, torch.cat(src_weight))
 
-    def stream_memory(self, config) -> "MemStreamMemory":
-        return MemStreamMemory(self.params, config)
+    def stream_memory(self, config) -> MemStreamMemory:
+        return MemStreamMemory(self, config)
 
 
 # --- the memory -------------------------------------------------------------------------------------------------
@@ -182,12 +185,12 @@ def drift_corrected(scores: Tensor) -> Tensor:
 class MemStreamMemory:
     name = "memstream"
 
-    def __init__(self, params: MemStreamParams, config) -> None:
+    def __init__(self, params: MemStream, config) -> None:
         self.params = params
         self.config = config
         self.budget_tokens = config.budget_tokens
         self.chunk_frames = params.chunk_frames
-        self.window_relative = not config.adapter.mrope
+        self.window_relative = not config.mrope
         self.llm = None
         self.rotation = None
         self.prefix_kv = None
@@ -205,7 +208,7 @@ class MemStreamMemory:
 
     def start(self, llm, prefix) -> None:
         self.llm = llm
-        self.rotation = KeyRotation(llm.adapter)
+        self.rotation = llm.key_rotation()
         self.prefix_kv = llm.forward(prefix.embeds, prefix.positions).kv
         self.prefix_length = int(prefix.embeds.shape[0])
 
@@ -219,8 +222,6 @@ class MemStreamMemory:
         return kv_bytes(self.prefix_kv) + kv_bytes(self.kv) + extra
 
     def _clip(self):
-        from vtc_plugins.quota import load_clip
-
         return load_clip(self.params.clip_model, self.params.clip_pretrained)
 
     @torch.no_grad()
@@ -299,7 +300,7 @@ class MemStreamMemory:
     @torch.no_grad()
     def _internal_scores(self, question) -> Tensor:
         """mean over layers of cos(mean pre-RoPE question query, frame key), from the question after the sink."""
-        with QueryCapture(self.llm.adapter) as queries:
+        with self.llm.capture_queries() as queries:
             positions = torch.arange(self.prefix_length, self.prefix_length + len(question))
             self.llm.forward(question.embeds, positions[None].expand(question.positions.shape[0], -1), self.prefix_kv)
         scores = []
@@ -338,25 +339,3 @@ class MemStreamMemory:
         kv = concat_kv(self.prefix_kv, select_kv(self.kv, rows))
         next_position = self.prefix_length + rows.numel() if self.window_relative else None
         return AnswerPast(kv, next_position, retrieved_tokens=int(rows.numel()), seconds=time.perf_counter() - start)
-
-
-@hookimpl
-def vtc_register_methods(registry):
-    registry.add(
-        MethodInfo(
-            name="memstream",
-            factory=MemStream,
-            params=MemStreamParams,
-            stages=("connect",),
-            paper="MemStream (2025; abstract and project page only)",
-            summary="streaming: redundant 2x2 windows merged per frame, KV kept per frame, question-time retrieval "
-            "of frames by the LLM's queries and CLIP fused by reciprocal rank",
-            owns=frozenset({"stream_memory"}),
-            query_aware=True,
-            needs_whole_frames=True,
-            streams=True,
-            stream_memory=True,
-            stream_only=True,
-            test_params={"clip_model": "vtc-tiny-clip", "clip_pretrained": None},
-        )
-    )

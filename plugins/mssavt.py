@@ -34,8 +34,8 @@ no attention). The count is fixed (k per frame), so the method serves on vLLM.
     cosine to any other alive token of the frame (lower index on ties), recomputed after each removal, until k
     remain;
   * previous frame across calls: the last frame's original embeddings are kept in
-    `ctx.store[("previous", ctx.video_index)]`; vtc gives every prompt a fresh store (so two videos of a batch, and
-    two prompts, never mix), while a stream that keeps one store across consecutive chunks of a video compares each
+    `ctx.state[("previous", ctx.video_index)]`; vtc gives every prompt a fresh state (so two videos of a batch, and
+    two prompts, never mix), while a stream that keeps one state across consecutive chunks of a video compares each
     chunk's first frame with the previous chunk's last frame. A stored frame of another grid size is ignored.
 
 Termination of the rounds: the candidate order (R, then lower index) is a strict total order on the alive tokens, so
@@ -49,36 +49,18 @@ H W - k rounds.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
 import torch.nn.functional as F
 
-from vtc.core.hookspecs import hookimpl
-from vtc.core.registry import MethodInfo
+import vtc
 from vtc_kernels import frame_cosine
 
 Tensor = torch.Tensor
 
 DEFAULT_RHO = 0.25  # [OPEN] the common 25 % retention comparison point
 MASKS = ("local_max", "checkerboard")
-
-
-@dataclasses.dataclass
-class MSSAVTParams:
-    rho: float | None = None  # fraction of each frame's tokens kept; default: the retention, else 0.25
-    tau_t: float = 0.9  # temporal step: prune tokens with same-position cosine > tau_t ([OPEN] StreamingTOM CTR)
-    mask: str = "local_max"  # masked pruning: "local_max" (strict local maxima of R) or "checkerboard"
-
-    def __post_init__(self):
-        if self.rho is not None and not 0.0 < float(self.rho) <= 1.0:
-            raise ValueError(f"mssavt: rho must be in (0, 1], got {self.rho}")
-        tau = float(self.tau_t)
-        if math.isnan(tau) or not -1.0 <= tau <= 1.0:
-            raise ValueError(f"mssavt: tau_t must be a cosine threshold in [-1, 1], got {self.tau_t}")
-        if self.mask not in MASKS:
-            raise ValueError(f"mssavt: mask must be one of {', '.join(repr(m) for m in MASKS)}, got {self.mask!r}")
 
 
 def keep_per_frame(tokens_per_frame: int, rho: float) -> int:
@@ -244,31 +226,57 @@ def mssavt_frame(
     return torch.nonzero(alive).flatten()
 
 
-# --- the plugin -------------------------------------------------------------------------------------------------
+# --- the method -------------------------------------------------------------------------------------------------
 
 
-class MSSAVT:
-    def __init__(self, params: MSSAVTParams, retention: float | None = None) -> None:
-        self.params = params
-        if params.rho is not None:
-            self.rho = float(params.rho)
-        else:
-            self.rho = float(retention) if retention is not None else DEFAULT_RHO
+@vtc.method(
+    "mssavt",
+    paper="StreamingAssistant (MSSAVT), arXiv 2025",
+    url="",  # no arXiv id confirmed (specs/methods-b.md B3 cites 2512.12560 from a third-party page)
+    summary="per frame: drop tokens like the previous frame's, then prune mutually non-adjacent tokens most "
+    "similar to an alive 4-neighbour, in rounds, to k per frame",
+    test_params={"tau_t": 0.9, "mask": "local_max"},
+)
+class MSSAVT(vtc.Method):
+    """Temporal step, then MSSAVT masked pruning, k tokens per frame (no public code: specs/from-abstracts.md §4).
 
-    def retained_count(self, num_tokens: int, grid, family: str) -> int:
+    Not a `TokenSelector`: it reads whole frames (and checks it gets them) and keeps the previous frame in
+    `ctx.state` on every call, also when it keeps every token."""
+
+    rho: float | None = vtc.param(
+        None, range="(0, 1]", doc="fraction of each frame's tokens kept; default: the retention, else 0.25"
+    )
+    tau_t: float = vtc.param(
+        0.9,
+        range="[-1, 1]",
+        doc="temporal step: prune tokens with same-position cosine > tau_t ([OPEN] StreamingTOM CTR)",
+    )
+    mask: str = vtc.param(
+        "local_max", choices=MASKS, doc='masked pruning: "local_max" (strict local maxima of R) or "checkerboard"'
+    )
+
+    whole_frames = True
+    streams = True  # causal: each frame reads only the previous one, kept in ctx.state across chunks
+
+    def fraction(self) -> float:
+        """rho: the parameter, else this method's share of the retention, else 0.25."""
+        if self.rho is not None:
+            return self.rho
+        return self.retention if self.retention is not None else DEFAULT_RHO
+
+    def retained_count(self, num_tokens, grid, family):
         """T k: k = max(1, round(rho H W)) tokens in each of the num_tokens / (H W) whole frames (T on a full grid)."""
         _, h, w = (int(v) for v in grid)
-        return (int(num_tokens) // (h * w)) * keep_per_frame(h * w, self.rho)
+        return (int(num_tokens) // (h * w)) * keep_per_frame(h * w, self.fraction())
 
-    @hookimpl
-    def vtc_connect(self, tokens, ctx):
+    def connect(self, tokens, ctx):
         if len(tokens) == 0:
             return tokens
         _, idx = tokens.whole_frames("mssavt")  # [F, H W]: the token at every cell of each frame, raster order
         _, h, w = tokens.grid
-        k = keep_per_frame(h * w, self.rho)
+        k = keep_per_frame(h * w, self.fraction())
         key = ("previous", ctx.video_index)
-        previous = ctx.store.get(key)
+        previous = ctx.state.get(key)
         kept, temporal = [], []
         x = None
         for cells in idx:
@@ -277,35 +285,14 @@ class MSSAVT:
             if k >= h * w:
                 kept.append(cells)
             else:
-                alive = temporal_prune(x, prev, k, self.params.tau_t)
+                alive = temporal_prune(x, prev, k, self.tau_t)
                 temporal.append(int((~alive).sum()))
-                alive = masked_prune(x, alive, (h, w), k, self.params.mask)
+                alive = masked_prune(x, alive, (h, w), k, self.mask)
                 kept.append(cells[alive])
             previous = x
-        ctx.store[key] = x.detach().clone()  # the last frame, unpruned: the next chunk of a stream compares to it
+        ctx.state[key] = x.detach().clone()  # the last frame, unpruned: the next chunk of a stream compares to it
         keep = torch.sort(torch.cat(kept)).values
         if keep.numel() == len(tokens):
             return tokens
         ctx.report(temporal_pruned=temporal)  # per frame: tokens the temporal step removed
         return tokens.select(keep)
-
-
-@hookimpl
-def vtc_register_methods(registry):
-    registry.add(
-        MethodInfo(
-            name="mssavt",
-            factory=MSSAVT,
-            params=MSSAVTParams,
-            stages=("connect",),
-            paper="StreamingAssistant (MSSAVT), arXiv 2025",
-            url="",  # no arXiv id confirmed (specs/methods-b.md B3 cites 2512.12560 from a third-party page)
-            summary="per frame: drop tokens like the previous frame's, then prune mutually non-adjacent tokens most "
-            "similar to an alive 4-neighbour, in rounds, to k per frame",
-            fixed_count=True,
-            needs_whole_frames=True,
-            position_policy="keep",
-            test_params={"tau_t": 0.9, "mask": "local_max"},
-            streams=True,  # causal: each frame reads only the previous one, kept in ctx.store across chunks
-        )
-    )

@@ -9,7 +9,8 @@ keep per window the fraction alpha of static tokens and, per frame, of dynamic t
 attention from the text after the video, pruning the hidden states and the KV cache of layers 0..selected_layer.
 
 Stages: connect (stage 1) and prefill (stage 2). Stage 1 records per token, in `tokens.tags`, the window, the
-static/dynamic flag and the frame of dynamic tokens; stage 2 reads them back as `state.layout.tags`.
+static/dynamic flag and the frame of dynamic tokens; stage 2 reads them back as `llm.layout.tags`. Stage 2 is
+FastV's schedule (`vtc.LayerPruner`, K = selected_layer + 1) with PruneVid's scores and per-group quotas.
 
 Faithful to the official code: DPC-kNN as in `cluster_dpc_knn` (distances / sqrt(C), k = 7, density noise
 U(0, 1e-6), centres by score, nearest-centre assignment read from the centres' rows), `refine_clusters`
@@ -32,8 +33,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from vtc.core.hookspecs import hookimpl
-from vtc.core.registry import MethodInfo
+import vtc
 from vtc_kernels import dpc_knn_centers, reconcile_count
 from vtc_kernels.select import segmented_topk
 
@@ -48,31 +48,6 @@ TAG_WINDOW = "prunevid_window"  # window index within the video
 TAG_STATIC = "prunevid_static"  # 1 static (window mean), 0 dynamic
 TAG_FRAME = "prunevid_frame"  # frame of a dynamic token (-1 for static tokens)
 TAG_BUDGET = "prunevid_budget"  # tokens stage 2 aims to keep for this video (only with a retention / fixed count)
-
-
-@dataclasses.dataclass
-class PruneVidParams:
-    selected_layer: int = 10  # selected_layer: attention of this LLM layer ranks tokens; prune after it
-    alpha: float | None = None  # alpha: kept fraction per static group / frame; None = 0.4, or from retention
-    tau: float = 0.8  # tau: static if the mean pairwise cosine over the window exceeds it
-    temporal_segment_ratio: float = 0.25  # temporal_segment_ratio: int(T * ratio) DPC-kNN frame clusters
-    cluster_ratio: float = 0.5  # cluster_ratio: a group of > 14 tokens becomes int(count * ratio) cluster means
-    k: int = 7  # k: nearest neighbours of the DPC-kNN density (k=7 in merge_frames_dynamic)
-    fixed_count: bool = False  # vtc: keep exactly retained_count() tokens (reconciled by attention score)
-    causal_scores: bool = False  # vtc option: rank with the layer's real attention (RoPE, causal) instead of the
-    # official position-free, non-causal map (see text_attention_scores)
-
-    def __post_init__(self):
-        if int(self.selected_layer) < 0:
-            raise ValueError(f"prunevid: selected_layer must be >= 0, got {self.selected_layer}")
-        if self.alpha is not None and not 0.0 < float(self.alpha) <= 1.0:
-            raise ValueError(f"prunevid: alpha must be in (0, 1], got {self.alpha}")
-        if not 0.0 < float(self.temporal_segment_ratio) <= 1.0:
-            raise ValueError(f"prunevid: temporal_segment_ratio must be in (0, 1], got {self.temporal_segment_ratio}")
-        if not 0.0 < float(self.cluster_ratio) <= 1.0:
-            raise ValueError(f"prunevid: cluster_ratio must be in (0, 1], got {self.cluster_ratio}")
-        if int(self.k) < 1:
-            raise ValueError(f"prunevid: k must be >= 1, got {self.k}")
 
 
 # --- stage 1: temporal windows ---------------------------------------------------------------------------------
@@ -483,43 +458,122 @@ def stage2_keep(
     return keep
 
 
-# --- the plugin ------------------------------------------------------------------------------------------------
+def position_free_scores(llm) -> Tensor:
+    """The official map at this layer (call at its "layer_start"): the query rows of the text after the video
+    against every key, before RoPE and without the causal mask (`llm.projections`) -> [B, n]."""
+    layout = llm.layout
+    rows, rows_valid = text_rows(layout.visual, layout.valid)
+    query, key = llm.projections(rows)
+    device = query.device
+    return text_attention_scores(query, key, rows, rows_valid.to(device), layout.valid.to(device))
 
 
-class PruneVid:
-    def __init__(self, params: PruneVidParams, retention: float | None = None) -> None:
-        self.params = params
-        self.identity = params.alpha is None and retention is not None and retention >= 1.0
-        if params.alpha is not None:
-            self.alpha: float | None = float(params.alpha)
-            self.target = self.alpha * STAGE1_NOMINAL  # only used by fixed_count
-        elif retention is not None:
-            self.alpha = None  # derived per video from the budget round(retention * N)
-            self.target = float(retention)
-        else:
-            self.alpha = DEFAULT_ALPHA
-            self.target = README_RETAINED  # only used by fixed_count
+def stage2_mask(scores: Tensor, layout, alpha: float | None, fixed: bool) -> Tensor:
+    """Keep mask [B, n] of stage 2: `stage2_keep` on every video stage 1 tagged (its budget from the tags);
+    text, padding and untagged videos are left alone."""
+    tags = layout.tags
+    keep = layout.valid.clone()
+    for b in range(keep.shape[0]):
+        for slots in layout.video_slots(b).values():
+            if bool((tags[TAG_WINDOW][b, slots] < 0).any()):
+                continue  # a video stage 1 did not tag: left alone
+            budget = int(tags[TAG_BUDGET][b, slots[0]]) if TAG_BUDGET in tags else None
+            keep[b, slots] = stage2_keep(
+                scores[b],
+                slots,
+                tags[TAG_WINDOW][b],
+                tags[TAG_STATIC][b],
+                tags[TAG_FRAME][b],
+                alpha,
+                budget,
+                fixed=fixed,
+            )
+    return keep
+
+
+# --- the method ------------------------------------------------------------------------------------------------
+
+
+@vtc.method(
+    "prunevid",
+    paper="PruneVid: Visual Token Pruning for Efficient Video Large Language Models (ACL 2025)",
+    url="https://arxiv.org/abs/2412.16117",
+    summary="merge static tokens per temporal window and cluster the rest, then prune by text attention "
+    "at layer 10 (hidden states and KV cache)",
+    retention_note="retention is the share left after the layer-M prune (alpha = budget / tokens per "
+    "group, rounded down per group); stage 1 alone leaves more",
+    test_params={"selected_layer": 2},
+    exempt={"ordered_positions": "official output order: static tokens, then each frame"},
+)
+class PruneVid(vtc.LayerPruner):
+    """Stage 1 in connect (`merge_frames_dynamic`), stage 2 a LayerPruner after layer selected_layer
+    (`VTPWindowCache.process_attention`)."""
+
+    selected_layer: int = vtc.param(
+        10, range="[0, inf)", doc="selected_layer: attention of this LLM layer ranks tokens; prune after it"
+    )
+    alpha: float | None = vtc.param(
+        None, range="(0, 1]", doc="alpha: kept fraction per static group / frame; None = 0.4, or from retention"
+    )
+    tau: float = vtc.param(0.8, doc="tau: static if the mean pairwise cosine over the window exceeds it")
+    temporal_segment_ratio: float = vtc.param(
+        0.25, range="(0, 1]", doc="temporal_segment_ratio: int(T * ratio) DPC-kNN frame clusters"
+    )
+    cluster_ratio: float = vtc.param(
+        0.5, range="(0, 1]", doc="cluster_ratio: a group of > 14 tokens becomes int(count * ratio) cluster means"
+    )
+    k: int = vtc.param(
+        7, range="[1, inf)", doc="k: nearest neighbours of the DPC-kNN density (k=7 in merge_frames_dynamic)"
+    )
+    fixed_count: bool = vtc.param(
+        False, doc="vtc: keep exactly retained_count() tokens (reconciled by attention score)"
+    )
+    causal_scores: bool = vtc.param(
+        False,
+        doc="vtc option: rank with the layer's real attention (RoPE, causal) instead of the official "
+        "position-free, non-causal map (see text_attention_scores)",
+    )
+
+    positions = "compact"
+    attention_rows = "after_visual"  # causal_scores: the text after the video
+    prune_cache = True  # the official cache drops the pruned tokens at every layer up to selected_layer
+
+    def identity(self) -> bool:
+        """Retention 1.0 without an explicit alpha keeps everything (both stages off)."""
+        return self.alpha is None and self.retention is not None and self.retention >= 1.0
+
+    def group_alpha(self) -> float | None:
+        """alpha of stage 2: the parameter; None with a retention (derived per video from the budget
+        round(retention * N)); else 0.4."""
+        if self.alpha is not None:
+            return self.alpha
+        return None if self.retention is not None else DEFAULT_ALPHA
+
+    def target(self) -> float:
+        """The budget, as a fraction of the tokens reaching stage 1: the retention; with an explicit or the
+        default alpha, what fixed_count reconciles to (alpha x the README's stage-1 share)."""
+        if self.alpha is not None:
+            return self.alpha * STAGE1_NOMINAL
+        return float(self.retention) if self.retention is not None else README_RETAINED
 
     def _uses_budget(self) -> bool:
-        return self.alpha is None or bool(self.params.fixed_count)
+        return self.group_alpha() is None or self.fixed_count
 
     def _budget(self, num_tokens: int) -> int:
-        return min(num_tokens, max(1, round(self.target * num_tokens)))
+        return min(num_tokens, max(1, round(self.target() * num_tokens)))
 
-    def retained_count(self, num_tokens: int, grid, family: str) -> int | None:
-        if self.identity:
+    def retained_count(self, num_tokens, grid, family):
+        if self.identity():
             return num_tokens
-        if self.params.fixed_count:
+        if self.fixed_count:
             return self._budget(num_tokens)
         return None  # windows, static masks and per-group floors depend on the content
 
     # stage 1
-    @hookimpl
-    def vtc_connect(self, tokens, ctx):
+    def connect(self, tokens, ctx):
         n = len(tokens)
-        if self.identity or n == 0:
+        if self.identity() or n == 0:
             return tokens
-        p = self.params
         budget = self._budget(n) if self._uses_budget() else None
         generator = ctx.generator
         state = generator.get_state() if generator is not None else None
@@ -531,11 +585,11 @@ class PruneVid:
                 tokens.embeds,
                 tokens.frame,
                 tokens.patch,
-                float(p.tau),
-                float(p.temporal_segment_ratio),
-                float(p.cluster_ratio),
-                int(p.k),
-                generator,
+                tau=self.tau,
+                temporal_segment_ratio=self.temporal_segment_ratio,
+                cluster_ratio=self.cluster_ratio,
+                k=self.k,
+                generator=generator,
                 merge_static=merge_static,
                 cluster=cluster,
             )
@@ -550,86 +604,39 @@ class PruneVid:
             out.tags[TAG_BUDGET] = torch.full_like(plan.window, budget)
         return out
 
-    # stage 2
-    @hookimpl
-    def vtc_prefill(self, state, ctx):
-        if self.identity or state.point != "layer_start":
-            return
-        layer = int(self.params.selected_layer)
-        layout = state.layout
-        if state.layer == 0 and state.num_layers <= layer + 1:
-            raise ValueError(
-                f"prunevid: selected_layer={layer} needs a language model with more than {layer + 1} layers "
-                f"(the prune happens before layer selected_layer + 1); this one has {state.num_layers}"
-            )
-        if TAG_WINDOW not in layout.tags:
-            return
-        if state.layer == layer:
-            if self.params.causal_scores:
-                state.request_attention("after_visual", upcast=True)
-            else:
-                ctx.store["scores"] = self._position_free_scores(state)
-        elif state.layer == layer + 1:
-            if self.params.causal_scores:
-                scores = state.attention(layer).amax(dim=1).amax(dim=1)  # max over heads, then text queries
-            else:
-                scores = ctx.store.pop("scores")
-            keep = self._keep_mask(scores, layout)
-            for kept in (keep & layout.visual).sum(dim=1).tolist():
-                ctx.report(kept=kept)  # visual tokens of each batch row from layer selected_layer + 1 on
-            state.keep(keep, prune_cache=True)
+    # stage 2: FastV's schedule at K = selected_layer + 1, on the videos stage 1 tagged
+    def prune_layer(self):
+        return self.selected_layer + 1
 
-    @staticmethod
-    def _position_free_scores(state) -> Tensor:
-        """The official map: the layer's query rows of the text after the video against every key, before RoPE
-        and without the causal mask (`state.projections`)."""
-        layout = state.layout
-        rows, rows_valid = text_rows(layout.visual, layout.valid)
-        query, key = state.projections(rows)
-        device = query.device
-        return text_attention_scores(query, key, rows, rows_valid.to(device), layout.valid.to(device))
+    def skip(self):
+        return self.identity()
 
-    def _keep_mask(self, scores: Tensor, layout) -> Tensor:
-        tags = layout.tags
-        keep = layout.valid.clone()
-        for b in range(keep.shape[0]):
-            for slots in layout.video_slots(b).values():
-                if bool((tags[TAG_WINDOW][b, slots] < 0).any()):
-                    continue  # a video stage 1 did not tag: left alone
-                budget = int(tags[TAG_BUDGET][b, slots[0]]) if TAG_BUDGET in tags else None
-                keep[b, slots] = stage2_keep(
-                    scores[b],
-                    slots,
-                    tags[TAG_WINDOW][b],
-                    tags[TAG_STATIC][b],
-                    tags[TAG_FRAME][b],
-                    self.alpha,
-                    budget,
-                    fixed=bool(self.params.fixed_count),
-                )
-        return keep
-
-
-@hookimpl
-def vtc_register_methods(registry):
-    registry.add(
-        MethodInfo(
-            name="prunevid",
-            factory=PruneVid,
-            params=PruneVidParams,
-            stages=("connect", "prefill"),
-            paper="PruneVid: Visual Token Pruning for Efficient Video Large Language Models (ACL 2025)",
-            url="https://arxiv.org/abs/2412.16117",
-            summary="merge static tokens per temporal window and cluster the rest, then prune by text attention "
-            "at layer 10 (hidden states and KV cache)",
-            fixed_count=True,
-            owns=frozenset({"llm_token_schedule"}),
-            position_policy="compact",
-            query_aware=True,
-            retention_reference="last_layer",
-            retention_note="retention is the share left after the layer-M prune (alpha = budget / tokens per "
-            "group, rounded down per group); stage 1 alone leaves more",
-            conformance_exemptions={"ordered_positions": "official output order: static tokens, then each frame"},
-            test_params={"selected_layer": 2},
+    def depth_error(self, num_layers):
+        layer = self.selected_layer
+        return (
+            f"prunevid: selected_layer={layer} needs a language model with more than {layer + 1} layers "
+            f"(the prune happens before layer selected_layer + 1); this one has {num_layers}"
         )
-    )
+
+    def request(self, llm, ctx):
+        if TAG_WINDOW not in llm.layout.tags:
+            return
+        if self.causal_scores:
+            super().request(llm, ctx)
+        else:
+            ctx.state["scores"] = position_free_scores(llm)
+
+    def prune(self, llm, ctx):
+        if TAG_WINDOW in llm.layout.tags:
+            super().prune(llm, ctx)
+
+    def keep_mask(self, llm, ctx):
+        if self.causal_scores:
+            scores = llm.attention(self.selected_layer).amax(dim=1).amax(dim=1)  # max over heads, then text queries
+        else:
+            scores = ctx.state.pop("scores")
+        layout = llm.layout
+        keep = stage2_mask(scores, layout, self.group_alpha(), self.fixed_count)
+        for kept in (keep & layout.visual).sum(dim=1).tolist():
+            ctx.report(kept=kept)  # visual tokens of each batch row from layer selected_layer + 1 on
+        return keep

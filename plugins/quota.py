@@ -8,22 +8,42 @@ B. no" for every frame, and give each frame a share w_i = (100 p_yes)^2 / sum of
 resizing its feature map bilinearly to about `B * w_i` tokens. Stages: sample (frames, decoupling, scoring)
 and connect (per-frame resize).
 
-`quota-clip` is vtc's cheaper variant (not in the paper): CLIP (open_clip) scores the frames instead of a VLM.
+`quota-clip` is vtc's cheaper variant (not in the paper): CLIP (open_clip) scores the frames instead of a VLM
+(`vtc.media.relevance`, shared with `vtc.vllm.client.select_frames`).
+
+The sample stage leaves the frame weights in `ctx.state` (objects, scores, weights); the connect stage of the same
+prompt reads them as `ctx.prepared`.
 """
 
 from __future__ import annotations
 
 import ast
-import dataclasses
 import math
 import re
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from vtc.core.hookspecs import hookimpl
-from vtc.core.registry import MethodInfo
+import vtc
+from vtc.core.loading import load_pretrained
+from vtc.media.relevance import clip_yes_probabilities, frame_weights, load_clip
 from vtc.media.video import uniform_indices
+
+__all__ = [  # the CLIP scoring and the weights live in vtc.media.relevance; re-exported for QuoTA's users
+    "Quota",
+    "QuotaClip",
+    "anchor_cells",
+    "clip_yes_probabilities",
+    "frame_shape",
+    "frame_weights",
+    "grid_frame_weights",
+    "load_clip",
+    "parse_objects",
+    "relevance_prompt",
+    "resize_frame",
+    "token_budgets",
+    "vlm_yes_probabilities",
+]
 
 # The decoupling prompt of quota_pipeline.py (the method is defined by it; reproduced verbatim in substance)
 DECOUPLE_PROMPT = """
@@ -47,31 +67,6 @@ To answer this question, please follow the following step to give an object list
     Question: In which country is the comedy featured in the video recognized worldwide? A. China. B. UK. C. Germany. D. United States.
     Your output should be:
     Step 1: no"""  # noqa: E501
-
-
-@dataclasses.dataclass
-class QuotaParams:
-    max_frames_num: int = 96  # base frames sampled (uniformly, force_sample)
-    additional_frames: int = 64  # extra frames per hour of video
-    enhance_tokens: int | None = None  # tokens per frame-equivalent of budget; None = the model's (196 on LLaVA-OV)
-    enhance_total: int = 64  # frame-equivalents in the budget: B = enhance_tokens * enhance_total
-    weight_scale: tuple[float, float] = (100.0, 2.0)  # w = (scale * p) ** power
-    scorer: str | None = None  # HF model answering yes/no per frame (official: Qwen2-VL-2B); None = the patched model
-    scorer_max_pixels: int = 1280 * 28 * 28  # official scorer setting (Qwen processors)
-    score_batch_size: int = 64  # frames scored per forward
-    decouple: bool = True  # CoT query decoupling with the patched model (text only)
-    decouple_max_new_tokens: int = 4096
-    clip_model: str = "ViT-B-32"  # quota-clip only: open_clip architecture
-    clip_pretrained: str | None = "openai"  # quota-clip only: open_clip weights tag (None = random, tests)
-    fixed_count: bool = False  # exactly the budget B (largest-remainder shares), for serving
-
-    def __post_init__(self):
-        if int(self.max_frames_num) < 1 or int(self.additional_frames) < 0:
-            raise ValueError("quota: max_frames_num must be >= 1 and additional_frames >= 0")
-        if int(self.enhance_total) < 1 or (self.enhance_tokens is not None and int(self.enhance_tokens) < 1):
-            raise ValueError("quota: enhance_total and enhance_tokens must be >= 1")
-        if len(tuple(self.weight_scale)) != 2:
-            raise ValueError("quota: weight_scale is (scale, power), e.g. (100, 2)")
 
 
 # --- sample stage: decoupling and scoring -----------------------------------------------------------------------
@@ -102,13 +97,6 @@ def relevance_prompt(question: str, objects: list[str]) -> str:
         f"{question}\nDoes the image contain sufficient information to answer the given question? A. yes, B. no\n"
         "Answer with the option's letter directly."
     )
-
-
-def frame_weights(scores: list[float], scale: float, power: float) -> list[float]:
-    """w_i = (scale * p_i) ** power, normalised to sum to 1 (uniform when every score is 0)."""
-    raw = [(scale * p) ** power for p in scores]
-    total = sum(raw)
-    return [w / total for w in raw] if total > 0 else [1.0 / len(raw)] * len(raw)
 
 
 def decouple_objects(model, processor, question: str, max_new_tokens: int) -> list[str]:
@@ -146,21 +134,6 @@ def vlm_yes_probabilities(model, processor, frames, prompt: str, batch_size: int
             logits = model(**inputs).logits[:, -1].float()
         probs.extend(torch.softmax(logits, dim=-1)[:, answer_id].tolist())
     return probs
-
-
-def clip_yes_probabilities(clip, preprocess, tokenizer, frames, question: str, objects: list[str]) -> list[float]:
-    """quota-clip: CLIP zero-shot "relevant vs. anything" per frame, as P(yes)."""
-    from PIL import Image
-
-    relevant = ("a photo containing " + ", ".join(objects) + ".") if objects else question
-    device = next(clip.parameters()).device
-    with torch.no_grad():
-        images = torch.stack([preprocess(Image.fromarray(f)) for f in frames]).to(device)
-        image = torch.nn.functional.normalize(clip.encode_image(images).float(), dim=-1)
-        text_tokens = tokenizer([relevant, "a photo."]).to(device)
-        texts = torch.nn.functional.normalize(clip.encode_text(text_tokens).float(), dim=-1)
-        logits = 100.0 * image @ texts.T
-    return torch.softmax(logits, dim=-1)[:, 0].tolist()
 
 
 # --- connect stage: budgets and resizing --------------------------------------------------------------------------
@@ -209,73 +182,109 @@ def anchor_cells(h: int, w: int, grid_h: int, grid_w: int) -> torch.Tensor:
     return (rows[:, None] * grid_w + cols[None, :]).flatten()
 
 
-class Quota:
-    def __init__(self, params: QuotaParams, retention: float | None = None, scorer_kind: str = "vlm") -> None:
-        self.params = params
-        self.retention = retention
-        self.scorer_kind = scorer_kind
-        self._scorer_model = None  # the `scorer` checkpoint, loaded once (a cache, not per-prompt state)
+COMMON = dict(
+    url="https://arxiv.org/abs/2503.08689",
+    retention_note="the budget B = round(retention * N) is shared by relevance; each frame keeps an h x w grid "
+    "of at most int(B w_f) cells (official), so up to a row per frame below; fixed_count=True keeps exactly B",
+    exempt={
+        "identity_at_full_retention": "at retention 1.0 the full budget is redistributed across frames",
+        "retention": "adaptive count: each frame's budget becomes an h x w grid <= it (a row lost at most); "
+        "fixed_count=True (checked instead) keeps exactly round(r N)",
+        "ordered_positions": "an upsampled frame repeats its grid's anchor positions",
+        "original_positions": "resized frames are new features placed at their nearest grid cell (tested in "
+        "tests/test_quota.py)",
+    },
+)
+
+
+@vtc.method(
+    "quota",
+    paper="QuoTA: Query-oriented Token Assignment via CoT Query Decouple (AAAI 2026)",
+    summary="score frames against the question with a VLM, give relevant frames more tokens",
+    test_params={"decouple_max_new_tokens": 4},
+    **COMMON,
+)
+class Quota(vtc.FrameSampler):
+    """Frame relevance -> per-frame token budgets, each frame resized bilinearly to its budget
+    (official: MAC-AutoML/QuoTA quota_pipeline.py, core/llava_arch.py)."""
+
+    max_frames_num: int = vtc.param(96, range="[1, inf)", doc="base frames sampled (uniformly, force_sample)")
+    additional_frames: int = vtc.param(64, range="[0, inf)", doc="extra frames per hour of video")
+    enhance_tokens: int | None = vtc.param(
+        None, range="[1, inf)", doc="tokens per frame-equivalent of budget; None = the model's (196 on LLaVA-OV)"
+    )
+    enhance_total: int = vtc.param(64, range="[1, inf)", doc="frame-equivalents in the budget: B = tokens * total")
+    weight_scale: tuple[float, float] = vtc.param((100.0, 2.0), doc="(scale, power): w = (scale * p) ** power")
+    scorer: str | None = vtc.param(
+        None, doc="HF model answering yes/no per frame (official: Qwen2-VL-2B); None = the patched model"
+    )
+    scorer_max_pixels: int = vtc.param(1280 * 28 * 28, doc="official scorer setting (Qwen processors)")
+    score_batch_size: int = vtc.param(64, range="[1, inf)", doc="frames scored per forward")
+    decouple: bool = vtc.param(True, doc="CoT query decoupling with the patched model (text only)")
+    decouple_max_new_tokens: int = vtc.param(4096, range="[1, inf)", doc="decoupling answer length")
+    clip_model: str = vtc.param("ViT-B-32", doc="quota-clip only: open_clip architecture")
+    clip_pretrained: str | None = vtc.param("openai", doc="quota-clip only: open_clip weights tag (None = random)")
+    fixed_count: bool = vtc.param(False, doc="exactly the budget B (largest-remainder shares), for serving")
+
+    reduces_tokens = True  # a sampler that also resizes every frame to its budget (FrameSampler's default: False)
+    positions = "compact"
+    query_aware = True
+    prepool = True  # the pre-pool feature maps are resized
+    whole_frames = True
+    scorer_kind: ClassVar[str] = "vlm"  # "clip": quota-clip
+
+    def validate(self):
+        if len(tuple(self.weight_scale)) != 2:
+            raise ValueError(f"{self.card.name}: weight_scale is (scale, power), e.g. (100, 2)")
 
     # sample ---------------------------------------------------------------------------------------------------
-    @hookimpl
-    def vtc_sample(self, video, ctx):
-        p = self.params
-        count = ctx.num_frames or p.max_frames_num + int(video.duration / 3600 * p.additional_frames)
+    def sample(self, video, ctx):
+        count = ctx.num_frames or self.max_frames_num + int(video.duration / 3600 * self.additional_frames)
         # quota_pipeline.py: np.linspace(0, T - 1, max_frames_num, dtype=int) (truncated, duplicates kept)
         indices = uniform_indices(video.num_frames, int(count), "floor")
         if ctx.question is None:
             raise ValueError("quota scores frames against the question: pass it to handle.prepare(...)")
         model, processor = ctx.model, ctx.processor
         objects: list[str] = []
-        if p.decouple:
+        if self.decouple:
             if model is None or processor is None:
                 raise ValueError("quota's query decoupling runs the model: use handle.prepare(processor, video, q)")
-            objects = decouple_objects(model, processor, ctx.question, p.decouple_max_new_tokens)
+            objects = decouple_objects(model, processor, ctx.question, self.decouple_max_new_tokens)
         frames = video.read(indices)
         if self.scorer_kind == "clip":
-            clip, preprocess, tokenizer = self._clip_model()
+            clip, preprocess, tokenizer = load_clip(self.clip_model, self.clip_pretrained)
             scores = clip_yes_probabilities(clip, preprocess, tokenizer, frames, ctx.question, objects)
         else:
             scorer, scorer_processor = self._vlm_scorer(model, processor)
             prompt = relevance_prompt(ctx.question, objects)
             scores = vlm_yes_probabilities(
-                scorer, scorer_processor, frames, prompt, p.score_batch_size, p.scorer_max_pixels
+                scorer, scorer_processor, frames, prompt, self.score_batch_size, self.scorer_max_pixels
             )
-        ctx.prepared["quota"] = {
-            "objects": objects,
-            "scores": scores,
-            "weights": frame_weights(scores, *p.weight_scale),
-        }
+        ctx.state.update(objects=objects, scores=scores, weights=frame_weights(scores, *self.weight_scale))
         return indices
 
     def _vlm_scorer(self, model, processor):
-        if self.params.scorer is None:
+        if self.scorer is None:
             if model is None or processor is None:
                 raise ValueError("quota scores frames with the patched model: use handle.prepare(processor, video, q)")
             return model, processor
-        if self._scorer_model is None:
-            from vtc.tools.loading import load_model
-
-            self._scorer_model = load_model(self.params.scorer)
+        if getattr(self, "_scorer_model", None) is None:  # loaded once per pipeline (a cache, not a parameter)
+            self._scorer_model = load_pretrained("vlm", self.scorer)
         return self._scorer_model
-
-    def _clip_model(self):
-        return load_clip(self.params.clip_model, self.params.clip_pretrained)
 
     # connect --------------------------------------------------------------------------------------------------
     def budget(self, num_tokens: int, grid) -> int:
         if self.retention is not None:
             return max(1, round(num_tokens * self.retention))
-        per_frame = self.params.enhance_tokens or grid[1] * grid[2]
-        return per_frame * self.params.enhance_total
+        per_frame = self.enhance_tokens or grid[1] * grid[2]
+        return per_frame * self.enhance_total
 
     def retained_count(self, num_tokens: int, grid, family: str) -> int | None:
-        return self.budget(num_tokens, grid) if self.params.fixed_count else None
+        return self.budget(num_tokens, grid) if self.fixed_count else None
 
-    @hookimpl
-    def vtc_connect(self, tokens, ctx):
-        info = ctx.prepared.get("quota")
-        if info is None:
+    def connect(self, tokens, ctx):
+        info = ctx.prepared
+        if "weights" not in info:
             raise ValueError(
                 "quota assigns tokens from frame scores computed in its sample stage: build the inputs with "
                 "handle.prepare(processor, video, question) on the patched model"
@@ -284,7 +293,7 @@ class Quota:
         if not tokens.is_full_grid:
             raise ValueError("quota resizes whole frames: put it before other connect methods that drop tokens")
         weights = grid_frame_weights(info["weights"], t)
-        exact = self.params.fixed_count
+        exact = self.fixed_count
         counts = token_budgets(weights, self.budget(len(tokens), tokens.grid), exact)
         frame_maps = ctx.prepool if ctx.prepool is not None else tokens.embeds.reshape(t, h0, w0, -1)
         pieces, anchors = [], []
@@ -322,70 +331,15 @@ def grid_frame_weights(weights: list[float], grid_frames: int) -> list[float]:
     return [m / total for m in merged]
 
 
-_CLIP_CACHE: dict[tuple[str, str | None], tuple] = {}
-
-
-def load_clip(name: str, pretrained: str | None):
-    """An open_clip model, its image preprocessing and tokenizer (loaded once per process)."""
-    key = (name, pretrained)
-    if key not in _CLIP_CACHE:
-        try:
-            import open_clip
-        except ImportError as err:
-            raise ImportError("quota-clip needs open_clip: pip install 'vtc[clip]'") from err
-        model, _, preprocess = open_clip.create_model_and_transforms(name, pretrained=pretrained)
-        _CLIP_CACHE[key] = (model.eval(), preprocess, open_clip.get_tokenizer(name))
-    return _CLIP_CACHE[key]
-
-
+@vtc.method(
+    "quota-clip",
+    paper="QuoTA variant (vtc): CLIP frame scores instead of a VLM",
+    summary="QuoTA's budgets with CLIP (open_clip) frame relevance",
+    # a tiny random CLIP architecture shipped with vtc.testing (no download)
+    test_params={"decouple_max_new_tokens": 4, "clip_model": "vtc-tiny-clip", "clip_pretrained": None},
+    **COMMON,
+)
 class QuotaClip(Quota):
-    def __init__(self, params: QuotaParams, retention: float | None = None) -> None:
-        super().__init__(params, retention, scorer_kind="clip")
+    """QuoTA with CLIP (open_clip) scoring the frames' relevance instead of a VLM (vtc's variant)."""
 
-
-@hookimpl
-def vtc_register_methods(registry):
-    common = dict(
-        params=QuotaParams,
-        stages=("sample", "connect"),
-        url="https://arxiv.org/abs/2503.08689",
-        fixed_count=True,
-        owns=frozenset({"frame_selection"}),
-        position_policy="compact",
-        query_aware=True,
-        prepool=True,
-        needs_whole_frames=True,
-        retention_note="the budget B = round(retention * N) is shared by relevance; each frame keeps an h x w grid "
-        "of at most int(B w_f) cells (official), so up to a row per frame below; fixed_count=True keeps exactly B",
-        conformance_exemptions={
-            "identity_at_full_retention": "at retention 1.0 the full budget is redistributed across frames",
-            "retention": "adaptive count: each frame's budget becomes an h x w grid <= it (a row lost at most); "
-            "fixed_count=True (checked instead) keeps exactly round(r N)",
-            "ordered_positions": "an upsampled frame repeats its grid's anchor positions",
-            "original_positions": "resized frames are new features placed at their nearest grid cell (tested in "
-            "tests/test_quota.py)",
-        },
-        test_params={"decouple_max_new_tokens": 4},
-    )
-    registry.add(
-        MethodInfo(
-            name="quota",
-            factory=Quota,
-            paper="QuoTA: Query-oriented Token Assignment via CoT Query Decouple (AAAI 2026)",
-            summary="score frames against the question with a VLM, give relevant frames more tokens",
-            **common,
-        )
-    )
-    registry.add(
-        MethodInfo(
-            name="quota-clip",
-            factory=QuotaClip,
-            paper="QuoTA variant (vtc): CLIP frame scores instead of a VLM",
-            summary="QuoTA's budgets with CLIP (open_clip) frame relevance",
-            **{
-                **common,
-                # a tiny random CLIP architecture shipped with vtc.testing (no download)
-                "test_params": {"decouple_max_new_tokens": 4, "clip_model": "vtc-tiny-clip", "clip_pretrained": None},
-            },
-        )
-    )
+    scorer_kind: ClassVar[str] = "clip"

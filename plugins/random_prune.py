@@ -7,25 +7,9 @@ depends only on the seed (`vtc.patch(..., seed=0)`) and the number of tokens, no
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
-from vtc.core.hookspecs import hookimpl
-from vtc.core.registry import MethodInfo
-
-
-@dataclasses.dataclass
-class RandomParams:
-    ratio: float | None = None  # fraction of visual tokens kept; default: the retention, else 0.5
-
-    def __post_init__(self):
-        if self.ratio is not None and not 0.0 < float(self.ratio) <= 1.0:
-            raise ValueError(f"random: ratio must be in (0, 1], got {self.ratio}")
-
-
-def kept_count(num_tokens: int, ratio: float) -> int:
-    return max(1, min(num_tokens, round(num_tokens * ratio)))
+import vtc
 
 
 def random_keep(num_tokens: int, count: int, generator: torch.Generator) -> torch.Tensor:
@@ -33,33 +17,16 @@ def random_keep(num_tokens: int, count: int, generator: torch.Generator) -> torc
     return torch.sort(torch.randperm(num_tokens, generator=generator)[:count]).values
 
 
-class RandomPrune:
-    def __init__(self, params: RandomParams, retention: float | None = None) -> None:
-        self.params = params
-        self.ratio = params.ratio if params.ratio is not None else (retention if retention is not None else 0.5)
+@vtc.method(
+    "random",
+    paper="Random pruning (baseline)",
+    summary="keep a seeded random subset of the visual tokens",
+)
+class RandomPrune(vtc.TokenSelector):
+    """A seeded random subset, in original order."""
 
-    def retained_count(self, num_tokens: int, grid, family: str) -> int:
-        return kept_count(num_tokens, self.ratio)
+    ratio: float | None = vtc.param(None, range="(0, 1]", doc="fraction kept; default: the retention, else 0.5")
 
-    @hookimpl
-    def vtc_connect(self, tokens, ctx):
-        count = kept_count(len(tokens), self.ratio)
-        if count == len(tokens):
-            return tokens
+    def choose(self, tokens, count, ctx):
         # ctx.generator is seeded by vtc.patch(..., seed=0) afresh for every video: same video, same subset
-        return tokens.select(random_keep(len(tokens), count, ctx.generator).to(tokens.embeds.device))
-
-
-@hookimpl
-def vtc_register_methods(registry):
-    registry.add(
-        MethodInfo(
-            name="random",
-            factory=RandomPrune,
-            params=RandomParams,
-            stages=("connect",),
-            paper="Random pruning (baseline)",
-            summary="keep a seeded random subset of the visual tokens",
-            fixed_count=True,
-        )
-    )
+        return random_keep(len(tokens), count, ctx.generator).to(tokens.embeds.device)

@@ -9,7 +9,7 @@ split G_s = int(G * n_static / N), G_d = G - G_s (clamped to what exists, the sh
 the static tokens are clustered by DPC-kNN (G_s centres, each merged as beta * centre + (1 - beta) * mean of the
 static tokens nearest to it), the dynamic ones keep their G_d most attended (SigLIP last-layer attention received,
 pooled to the token grid like the features); the G tokens are put back in spatial order. The previous frame is
-causal state: it persists across calls in `ctx.store`, so consecutive chunks of one streamed video chain.
+causal state: it persists across calls in `ctx.state`, so consecutive chunks of one streamed video chain.
 
 Followed the official code (`CTR`) where it differs from, or is more precise than, the spec (methods-a.md §6.1):
   * DPC-kNN direction: the official `_dpc_cluster` builds `higher_density_mask = density[:, None] >
@@ -24,7 +24,7 @@ Followed the official code (`CTR`) where it differs from, or is more precise tha
   * the merge runs in the features' dtype (`beta * x_c + (1 - beta) * mean`), the cosine in float32 after
     `F.normalize`, `> threshold` (0.9 exactly is dynamic);
   * the previous frame of frame 0 of a call is the last frame of the previous call (`ctr_state`), in vtc
-    `ctx.store[("previous", video_index)]`: the original (uncompressed) features of that frame.
+    `ctx.state[("previous", video_index)]`: the original (uncompressed) features of that frame.
 vtc differences: the tie-break noise (U(0, 1e-6) on the density) comes from the seeded `ctx.generator` (the
 official `torch.rand_like` uses the global RNG); G is clamped to the tokens of a frame (the official code
 asserts 196 tokens per frame); G follows `retention` when no `retain_tokens` is given (round(r * H * W)); the
@@ -44,47 +44,16 @@ import math
 
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache
 
-from vtc.core.hookspecs import hookimpl
-from vtc.core.registry import MethodInfo
+import vtc
+from vtc.core.stream import AnswerPast, Retrieval, concat_kv, kv_bytes
 from vtc.core.vision_stats import VisionStat
-from vtc.streaming.llm import KeyRotation, QueryCapture, concat_kv, kv_bytes
-from vtc.streaming.memory import AnswerPast
 from vtc_kernels import dequantize_groups, quantize_groups
 
 Tensor = torch.Tensor
 
 RECEIVED = VisionStat("received", -1)  # SigLIP last kept layer: attention each key receives (official importance)
 DEFAULT_RETAIN_TOKENS = 50  # CTR_RETAIN_TOKENS (= OQM_GROUP_SIZE)
-
-
-@dataclasses.dataclass
-class StreamingTOMCTRParams:
-    retain_tokens: int | None = None  # CTR_RETAIN_TOKENS: tokens kept per frame (default round(r H W), else 50)
-    similarity_threshold: float = 0.9  # CTR_SIMILARITY_THRESHOLD: static when cos(previous frame) > it
-    k: int = 7  # CTR_K: neighbours of the DPC-kNN density (capped at static tokens - 1, self included)
-    beta: float = 0.6  # CTR_BETA: weight of a centre against the mean of its members
-    delta_to_denser: bool = False  # True: textbook DPC delta (nearest denser point); False: the official code's
-
-    def __post_init__(self):
-        if self.retain_tokens is not None and (
-            isinstance(self.retain_tokens, bool)
-            or int(self.retain_tokens) != self.retain_tokens
-            or self.retain_tokens < 1
-        ):
-            raise ValueError(
-                f"streamingtom-ctr: retain_tokens (tokens kept per frame) must be an integer >= 1, got "
-                f"{self.retain_tokens!r}"
-            )
-        if not 0.0 <= float(self.similarity_threshold) <= 1.0:  # the official config asserts [0, 1]
-            raise ValueError(
-                f"streamingtom-ctr: similarity_threshold (a cosine) must be in [0, 1], got {self.similarity_threshold}"
-            )
-        if isinstance(self.k, bool) or int(self.k) != self.k or int(self.k) < 1:
-            raise ValueError(f"streamingtom-ctr: k (DPC-kNN neighbours) must be an integer >= 1, got {self.k!r}")
-        if not 0.0 <= float(self.beta) <= 1.0:
-            raise ValueError(f"streamingtom-ctr: beta must be in [0, 1], got {self.beta}")
 
 
 # --- CTR on one frame ---------------------------------------------------------------------------------------------
@@ -275,20 +244,46 @@ def attention_on_grid(received: Tensor, geometry, size: tuple[int, int]) -> Tens
 
 
 def previous_key(video_index: int) -> tuple[str, int]:
-    """Where the last frame of a video's previous call lives in `ctx.store`."""
+    """Where the last frame of a video's previous call lives in `ctx.state`."""
     return ("previous", int(video_index))
 
 
-class StreamingTOMCTR:
-    def __init__(self, params: StreamingTOMCTRParams, retention: float | None = None) -> None:
-        self.params = params
-        self.retention = None if retention is None else float(retention)
+@vtc.method(
+    "streamingtom-ctr",
+    paper="StreamingTOM (CVPR 2026), CTR only",
+    url="https://arxiv.org/abs/2510.18269",
+    summary="per frame: static tokens (cos > 0.9 with the previous frame) DPC-kNN clustered, dynamic tokens "
+    "by vision attention; G tokens per frame, causal across calls",
+    retention_note="retention sets G = round(r * H * W) tokens per frame (CTR_RETAIN_TOKENS, 50 of 196 by "
+    "default), so the count is per-frame rounded; retain_tokens overrides it",
+)
+class StreamingTOMCTR(vtc.TokenMerger):
+    """CTR: G tokens per frame, static ones DPC-kNN merged, dynamic ones by vision attention
+    (official: YIGE24/StreamingTOM streamingtom/modules/ctr.py::CTR)."""
+
+    retain_tokens: int | None = vtc.param(
+        None, range="[1, inf)", doc="CTR_RETAIN_TOKENS: tokens kept per frame (default round(r H W), else 50)"
+    )
+    similarity_threshold: float = vtc.param(
+        0.9, range="[0, 1]", doc="CTR_SIMILARITY_THRESHOLD: static when cos(previous frame) > it"
+    )
+    k: int = vtc.param(
+        7, range="[1, inf)", doc="CTR_K: DPC-kNN neighbours (capped at static tokens - 1, self included)"
+    )
+    beta: float = vtc.param(0.6, range="[0, 1]", doc="CTR_BETA: weight of a centre against the mean of its members")
+    delta_to_denser: bool = vtc.param(
+        False, doc="True: textbook DPC delta (nearest denser point); False: the official code's (nearest lower)"
+    )
+
+    positions = "compact"  # the official LLaVA pipeline prefills the compressed frames contiguously
+    whole_frames = True
+    streams = True  # causal: the previous frame lives in ctx.state, so vtc.stream may feed it chunk by chunk
 
     def tokens_per_frame(self, positions: int) -> int:
         """G for a frame of `positions` tokens: retain_tokens, else round(retention * positions), else 50; at least
         1, at most the frame."""
-        if self.params.retain_tokens is not None:
-            g = int(self.params.retain_tokens)
+        if self.retain_tokens is not None:
+            g = int(self.retain_tokens)
         elif self.retention is not None:
             g = round(self.retention * positions)
         else:
@@ -298,7 +293,7 @@ class StreamingTOMCTR:
     @property
     def identity(self) -> bool:
         """retention 1.0 without an explicit retain_tokens: every frame keeps all its tokens."""
-        return self.params.retain_tokens is None and self.retention is not None and self.retention >= 1.0
+        return self.retain_tokens is None and self.retention is not None and self.retention >= 1.0
 
     def retained_count(self, num_tokens: int, grid, family: str) -> int:
         t, h, w = (int(v) for v in grid)
@@ -307,31 +302,29 @@ class StreamingTOMCTR:
     def vision_stats(self, family) -> list[VisionStat]:
         return [] if self.identity else [RECEIVED]
 
-    @hookimpl
-    def vtc_connect(self, tokens, ctx):
+    def plan(self, tokens, ctx) -> vtc.Merge | None:
         if len(tokens) == 0:
-            return tokens
-        frames, idx = tokens.whole_frames("streamingtom-ctr")
+            return None
+        frames, idx = tokens.whole_frames(self.card.name)
         _, h, w = tokens.grid
         positions = h * w
         x = tokens.embeds[idx]  # [F', N, D]
         key = previous_key(ctx.video_index)
-        previous = ctx.store.get(key)
-        ctx.store[key] = x[-1].detach().clone()  # the original features of this call's last frame (`ctr_state`)
+        previous = ctx.state.get(key)
+        ctx.state[key] = x[-1].detach().clone()  # the original features of this call's last frame (`ctr_state`)
         g = self.tokens_per_frame(positions)
         if self.identity or g >= positions:
-            return tokens
+            return None
         received = ctx.vision.get(RECEIVED)
         if received is None:
-            raise RuntimeError("streamingtom-ctr: the vision-tower attention was not captured")
+            raise RuntimeError(f"{self.card.name}: the vision-tower attention was not captured")
         importance = attention_on_grid(received, ctx.geometry, (h, w))[frames.to(received.device)]
         importance = importance.to(tokens.embeds.device)
-        p = self.params
         keep, values, keep_weight, dst, src, src_weight, statics = [], [], [], [], [], [], []
         count = 0
         for f in range(x.shape[0]):
-            static = classify_static(x[f], previous, p.similarity_threshold)
-            plan = ctr_plan(x[f], static, importance[f], g, p.k, p.beta, ctx.generator, p.delta_to_denser)
+            static = classify_static(x[f], previous, self.similarity_threshold)
+            plan = ctr_plan(x[f], static, importance[f], g, self.k, self.beta, ctx.generator, self.delta_to_denser)
             row = idx[f]
             keep.append(row[plan.keep])
             values.append(plan.values)
@@ -343,7 +336,7 @@ class StreamingTOMCTR:
             count += plan.keep.numel()
             previous = x[f]
         ctx.report(static=statics)
-        return tokens.merge(
+        return vtc.Merge(
             torch.cat(keep),
             torch.cat(dst),
             torch.cat(src),
@@ -354,31 +347,6 @@ class StreamingTOMCTR:
 
 
 # --- OQM (streaming memory) ---
-
-
-@dataclasses.dataclass
-class StreamingTOMParams(StreamingTOMCTRParams):
-    """CTR's parameters, then OQM's (the official environment variables in brackets)."""
-
-    retrieval_tokens: int = 12544  # [OQM_RETRIEVAL_MAX_TOKENS] tokens retrieved per layer: ceil(this / G) groups
-    quantize: bool = True  # [OQM_ENABLE_QUANTIZATION] store groups at `bits` bits (False: full precision)
-    bits: int = 4  # [OQM_QUANTIZATION_BITS] 4 or 2
-    window_tokens: int = 4800  # [OQM_SLIDING_WINDOW_SIZE] stored tokens a new chunk attends to (quantized path)
-    chunk_frames: int = 32  # [STREAMING_ENCODER_BATCH_SIZE] frames encoded and prefilled together
-    key_storage: str | None = None  # "post_rope" (official, 1-D RoPE) / "pre_rope" (vtc's M-RoPE port); None: by family
-
-    def __post_init__(self):
-        super().__post_init__()
-        for name in ("retrieval_tokens", "window_tokens", "chunk_frames"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"streamingtom: {name} must be a positive integer, got {value!r}")
-        if self.bits not in (2, 4):
-            raise ValueError(f"streamingtom: bits must be 4 or 2 (OQM_QUANTIZATION_BITS), got {self.bits!r}")
-        if self.key_storage not in (None, "post_rope", "pre_rope"):
-            raise ValueError(
-                f"streamingtom: key_storage must be 'post_rope', 'pre_rope' or None, got {self.key_storage!r}"
-            )
 
 
 @dataclasses.dataclass
@@ -414,7 +382,7 @@ class FloatGroups:
         return self.values
 
 
-def store_groups(x: Tensor, params: StreamingTOMParams, group_size: int):
+def store_groups(x: Tensor, params: "StreamingTOM", group_size: int):
     if params.quantize:
         return quantize_groups(x, bits=params.bits, group_size=group_size)
     return FloatGroups(x, group_size)
@@ -434,32 +402,6 @@ def select_groups(query: Tensor, group_keys: Tensor, max_groups: int) -> Tensor:
     return torch.sort(torch.topk(sims, max_groups).indices).values
 
 
-class _RetrievalCache(DynamicCache):
-    """A cache whose layer ℓ is filled, the first time the model writes to it, with what `fill(ℓ)` retrieves
-    (prefix + this layer's selected groups): OQM's per-layer retrieval inside the question's own forward."""
-
-    def __init__(self, fill, length: int) -> None:
-        super().__init__()
-        self._fill = fill
-        self._length = length
-        self._filled: set[int] = set()
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self._length if layer_idx not in self._filled else super().get_seq_length(layer_idx)
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
-        if layer_idx not in self._filled:
-            return self._length + query_length, 0
-        return super().get_mask_sizes(query_length, layer_idx)
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        if layer_idx not in self._filled:
-            keys, values = self._fill(layer_idx)
-            super().update(keys.to(key_states.dtype), values.to(value_states.dtype), layer_idx)
-            self._filled.add(layer_idx)
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
-
-
 class StreamingTOMMemory:
     """OQM: every frame's G tokens become one group per layer, stored at 4 bits (keys and values, per head and
     channel over the group's tokens) with a group key (the mean of the group's pre-RoPE keys); a chunk is
@@ -475,12 +417,12 @@ class StreamingTOMMemory:
 
     name = "streamingtom"
 
-    def __init__(self, params: StreamingTOMParams, config) -> None:
-        self.params = params
+    def __init__(self, params: "StreamingTOM", config) -> None:
+        self.params = params  # the (bound) method: its fields are the parameters
         self.config = config
         self.budget_tokens = config.budget_tokens
         self.chunk_frames = params.chunk_frames
-        mrope = bool(config.adapter.mrope)
+        mrope = bool(config.mrope)
         self.key_storage = params.key_storage or ("pre_rope" if mrope else "post_rope")
         self.window_relative = not mrope
         self.llm = None
@@ -513,7 +455,7 @@ class StreamingTOMMemory:
 
     def start(self, llm, prefix) -> None:
         self.llm = llm
-        self.rotation = KeyRotation(llm.adapter)
+        self.rotation = llm.key_rotation()
         self.prefix_kv = llm.forward(prefix.embeds, prefix.positions).kv
         self.prefix_length = int(prefix.embeds.shape[0])
 
@@ -602,7 +544,7 @@ class StreamingTOMMemory:
         chosen = min(max_groups, self.num_groups)
         length = self.prefix_length + chosen * self.group_size
         self.last_selection: dict[int, Tensor] = {}
-        queries = QueryCapture(self.llm.adapter)  # removed by `release` once the question is answered
+        queries = self.llm.capture_queries()  # removed by `release` once the question is answered
 
         def fill(layer: int) -> tuple[Tensor, Tensor]:
             q_mean = queries.mean(layer, self.group_keys[layer].shape[1] // queries.kv_heads)
@@ -612,67 +554,48 @@ class StreamingTOMMemory:
             pk, pv = self.prefix_kv[layer]
             return torch.cat([pk, k.to(pk.dtype)], dim=2), torch.cat([pv, v.to(pv.dtype)], dim=2)
 
-        cache = _RetrievalCache(fill, length)
         next_position = length if self.window_relative else None
         return AnswerPast(
             None,
             next_position,
-            cache=cache,
+            retrieval=Retrieval(fill, length),  # the backend fills its cache layer by layer from `fill`
             retrieved_tokens=chosen * self.group_size,
             release=queries.remove,
         )
 
 
-class StreamingTOM(StreamingTOMCTR):
-    """The full method: CTR in the connect stage (one group of G tokens per frame), OQM as the stream's memory."""
+@vtc.method(
+    "streamingtom",
+    paper="StreamingTOM (CVPR 2026)",
+    url="https://arxiv.org/abs/2510.18269",
+    summary="streaming: CTR keeps G tokens per frame; OQM stores each frame as a 4-bit KV group and "
+    "retrieves the groups matching the question in every layer",
+    retention_note="retention sets CTR's G per frame; the question attends to at most retrieval_tokens "
+    "stored tokens per layer (12544 by default)",
+)
+class StreamingTOM(StreamingTOMCTR, vtc.StreamMemoryMethod):
+    """The full method: CTR in the connect stage (one group of G tokens per frame), OQM as the stream's memory
+    (official: streamingtom/main.py, the OQM_* settings). CTR's parameters, then OQM's."""
 
-    def __init__(self, params: StreamingTOMParams, retention: float | None = None) -> None:
-        super().__init__(params, retention)
+    retrieval_tokens: int = vtc.param(
+        12544, range="[1, inf)", doc="OQM_RETRIEVAL_MAX_TOKENS: tokens retrieved per layer, ceil(this / G) groups"
+    )
+    quantize: bool = vtc.param(True, doc="OQM_ENABLE_QUANTIZATION: store groups at `bits` bits (False: full precision)")
+    bits: int = vtc.param(4, choices=(4, 2), doc="OQM_QUANTIZATION_BITS")
+    window_tokens: int = vtc.param(
+        4800, range="[1, inf)", doc="OQM_SLIDING_WINDOW_SIZE: stored tokens a new chunk attends to (quantized path)"
+    )
+    chunk_frames: int = vtc.param(
+        32, range="[1, inf)", doc="STREAMING_ENCODER_BATCH_SIZE: frames encoded and prefilled together"
+    )
+    key_storage: str | None = vtc.param(
+        None,
+        choices=("post_rope", "pre_rope"),
+        doc="post_rope (official, 1-D RoPE) / pre_rope (vtc's M-RoPE port); None: by family",
+    )
+
+    stream_only = True  # OQM is the method's memory: vtc.patch refuses it
+    requires = frozenset({"streaming"})  # vtc.stream encodes chunk by chunk (`vtc.core.families`)
 
     def stream_memory(self, config) -> StreamingTOMMemory:
-        return StreamingTOMMemory(self.params, config)
-
-
-@hookimpl
-def vtc_register_methods(registry):
-    registry.add(
-        MethodInfo(
-            name="streamingtom-ctr",
-            factory=StreamingTOMCTR,
-            params=StreamingTOMCTRParams,
-            stages=("connect",),
-            paper="StreamingTOM (CVPR 2026), CTR only",
-            url="https://arxiv.org/abs/2510.18269",
-            summary="per frame: static tokens (cos > 0.9 with the previous frame) DPC-kNN clustered, dynamic tokens "
-            "by vision attention; G tokens per frame, causal across calls",
-            fixed_count=True,
-            position_policy="compact",
-            vision_stats=True,
-            needs_whole_frames=True,
-            streams=True,  # causal: the previous frame lives in ctx.store, so vtc.stream may feed it chunk by chunk
-            retention_note="retention sets G = round(r * H * W) tokens per frame (CTR_RETAIN_TOKENS, 50 of 196 by "
-            "default), so the count is per-frame rounded; retain_tokens overrides it",
-        )
-    )
-    registry.add(
-        MethodInfo(
-            name="streamingtom",
-            factory=StreamingTOM,
-            params=StreamingTOMParams,
-            stages=("connect",),
-            paper="StreamingTOM (CVPR 2026)",
-            url="https://arxiv.org/abs/2510.18269",
-            summary="streaming: CTR keeps G tokens per frame; OQM stores each frame as a 4-bit KV group and "
-            "retrieves the groups matching the question in every layer",
-            owns=frozenset({"stream_memory"}),
-            fixed_count=True,  # G tokens per frame reach the memory
-            position_policy="compact",
-            vision_stats=True,
-            needs_whole_frames=True,
-            streams=True,
-            stream_memory=True,
-            stream_only=True,
-            retention_note="retention sets CTR's G per frame; the question attends to at most retrieval_tokens "
-            "stored tokens per layer (12544 by default)",
-        )
-    )
+        return StreamingTOMMemory(self, config)

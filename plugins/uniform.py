@@ -10,46 +10,21 @@ Stage: sample.
 
 from __future__ import annotations
 
-import dataclasses
-
-from vtc.core.hookspecs import hookimpl
-from vtc.core.registry import MethodInfo
+import vtc
 from vtc.media.video import SAMPLING_RULES, sampling_rule, uniform_indices
 
 
-@dataclasses.dataclass
-class UniformParams:
-    num_frames: int = 16  # frames handed to the processor (Qwen groups them in temporal pairs)
-    rule: str | None = None  # "round" (qwen-vl-utils) or "floor" (LLaVA / QuoTA); None = the model family's own
+@vtc.method(
+    "uniform",
+    paper="Uniform sampling (baseline)",
+    summary="N frames evenly spaced over the video (the family's reference rounding)",
+)
+class Uniform(vtc.FrameSampler):
+    """N frames evenly spaced, by the family's own rounding."""
 
-    def __post_init__(self):
-        if isinstance(self.num_frames, bool) or int(self.num_frames) != self.num_frames or int(self.num_frames) < 1:
-            raise ValueError(f"uniform: num_frames must be a positive integer, got {self.num_frames!r}")
-        if self.rule is not None and self.rule not in SAMPLING_RULES:
-            raise ValueError(f"uniform: rule must be one of {', '.join(SAMPLING_RULES)} (or None), got {self.rule!r}")
+    num_frames: int = vtc.param(16, range="[1, inf)", doc="frames handed to the processor (Qwen pairs them)")
+    rule: str | None = vtc.param(None, choices=SAMPLING_RULES, doc="None: the model family's own rule")
 
-
-class Uniform:
-    def __init__(self, params: UniformParams, retention: float | None = None) -> None:
-        self.params = params
-
-    @hookimpl
-    def vtc_sample(self, video, ctx):
-        count = ctx.num_frames or self.params.num_frames
-        return uniform_indices(video.num_frames, int(count), self.params.rule or sampling_rule(ctx.family))
-
-
-@hookimpl
-def vtc_register_methods(registry):
-    registry.add(
-        MethodInfo(
-            name="uniform",
-            factory=Uniform,
-            params=UniformParams,
-            stages=("sample",),
-            paper="Uniform sampling (baseline)",
-            summary="N frames evenly spaced over the video (the family's reference rounding)",
-            owns=frozenset({"frame_selection"}),
-            reduces_tokens=False,
-        )
-    )
+    def sample(self, video, ctx):
+        count = ctx.num_frames or self.num_frames
+        return uniform_indices(video.num_frames, int(count), self.rule or sampling_rule(ctx.family))

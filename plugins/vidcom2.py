@@ -23,8 +23,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from vtc.core.hookspecs import hookimpl
-from vtc.core.registry import MethodInfo
+import vtc
 from vtc.core.tokens import frame_groups
 from vtc_kernels import reconcile_count
 from vtc_kernels.select import segmented_topk
@@ -33,31 +32,6 @@ Tensor = torch.Tensor
 
 DEFAULT_RATIO = 0.25  # R_RATIO / base_scale in the official scripts
 ALPHAS = (0.125, 0.25, 0.5, 1.0, 2.0)  # [2**k for k in range(-3, 2)]
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
-
-
-@dataclasses.dataclass
-class VidCom2Params:
-    ratio: float | None = None  # R (R_RATIO, `base_scale`): mean fraction kept per frame; default: retention, else 0.25
-    channel_ratio: float = 0.5  # `select_low_var_channels(ratio=0.5)`: fraction of (lowest-variance) channels scored
-    temperature: float = 0.01  # `compute_scales(temp=0.01)`: softmax temperature of the frame budgets
-    alphas: tuple[float, ...] = ALPHAS  # Gaussian bandwidths alpha of `_multi_scale_gaussian`
-    fixed_count: bool = False  # exact count max(T, min(int(N R), N)) (vLLM's VidCom2), reconciled by score
-    compute_dtype: str | None = None  # None: the embeddings' dtype (as the official code); e.g. "float32"
-
-    def __post_init__(self):
-        if self.ratio is not None and not 0.0 < float(self.ratio) <= 1.0:
-            raise ValueError(f"vidcom2: ratio must be in (0, 1], got {self.ratio}")
-        if not 0.0 < float(self.channel_ratio) <= 1.0:
-            raise ValueError(f"vidcom2: channel_ratio must be in (0, 1], got {self.channel_ratio}")
-        if not float(self.temperature) > 0.0:
-            raise ValueError(f"vidcom2: temperature must be > 0, got {self.temperature}")
-        self.alphas = tuple(float(a) for a in self.alphas)
-        if not self.alphas or any(a <= 0 for a in self.alphas):
-            raise ValueError(f"vidcom2: alphas must be positive, got {self.alphas}")
-        if self.compute_dtype is not None and self.compute_dtype not in DTYPES:
-            allowed = ", ".join(sorted(DTYPES))
-            raise ValueError(f"vidcom2: compute_dtype must be None or one of {allowed}, got {self.compute_dtype}")
 
 
 # --- the algorithm, on one video's tokens -------------------------------------------------------------------------
@@ -154,61 +128,76 @@ def fixed_target(num_tokens: int, num_frames: int, ratio: float) -> int:
     return max(min(num_frames, num_tokens), min(int(num_tokens * ratio), num_tokens))
 
 
-# --- the plugin -------------------------------------------------------------------------------------------------
+# --- the method ------------------------------------------------------------------------------------------------
 
 
-class VidCom2:
-    def __init__(self, params: VidCom2Params, retention: float | None = None) -> None:
-        self.params = params
-        if params.ratio is not None:
-            self.ratio = float(params.ratio)
-        else:
-            self.ratio = retention if retention is not None else DEFAULT_RATIO
+@vtc.method(
+    "vidcom2",
+    paper="Video Compression Commander: Plug-and-Play Inference Acceleration for Video LLMs (EMNLP 2025)",
+    url="https://arxiv.org/abs/2505.14454",
+    summary="per-frame budgets by frame uniqueness; keep the tokens least like the video and frame centres",
+)
+class VidCom2(vtc.Method):
+    """Frame-uniqueness budgets, then the most distinct tokens of each frame (official: xuyang-liu16/VidCom2
+    token_compressor/vidcom2/vidcom2.py::vidcom2_compression).
 
-    def retained_count(self, num_tokens: int, grid, family: str) -> int | None:
-        if self.ratio >= 1.0:
+    Not a `TokenSelector`: the count is adaptive unless `fixed_count`, and every video reports its budgets,
+    also when nothing is dropped."""
+
+    ratio: float | None = vtc.param(
+        None, range="(0, 1]", doc="R (R_RATIO): mean fraction kept per frame; default: retention"
+    )
+    channel_ratio: float = vtc.param(
+        0.5, range="(0, 1]", doc="`select_low_var_channels(ratio=0.5)`: fraction of (lowest-variance) channels scored"
+    )
+    temperature: float = vtc.param(0.01, range="(0, inf)", doc="`compute_scales(temp)`: softmax temperature of budgets")
+    alphas: tuple[float, ...] = vtc.param(ALPHAS, doc="Gaussian bandwidths alpha of `_multi_scale_gaussian` (positive)")
+    fixed_count: bool = vtc.param(False, doc="exact count max(T, min(int(N R), N)) (vLLM's VidCom2)")
+    compute_dtype: vtc.DType | None = vtc.param(None, doc="None: the embeddings' dtype (as the official code)")
+
+    positions = "compact"
+
+    def validate(self):
+        try:
+            alphas = tuple(float(a) for a in self.alphas)
+        except (TypeError, ValueError):
+            alphas = ()
+        if not alphas or any(not a > 0 for a in alphas):
+            raise ValueError(f"vidcom2: alphas must be positive numbers, got {self.alphas}")
+        self.alphas = alphas
+
+    def fraction(self) -> float:
+        """R: the `ratio` parameter, else this method's share of the retention, else 0.25."""
+        if self.ratio is not None:
+            return self.ratio
+        return self.retention if self.retention is not None else DEFAULT_RATIO
+
+    def retained_count(self, num_tokens, grid, family):
+        ratio = self.fraction()
+        if ratio >= 1.0:
             return num_tokens
-        if self.params.fixed_count:
-            return fixed_target(num_tokens, int(grid[0]), self.ratio)
+        if self.fixed_count:
+            return fixed_target(num_tokens, int(grid[0]), ratio)
         return None  # per-frame rounding makes the total depend on the content
 
-    @hookimpl
-    def vtc_connect(self, tokens, ctx):
+    def connect(self, tokens, ctx):
         n = len(tokens)
-        if self.ratio >= 1.0 or n == 0:
+        ratio = self.fraction()
+        if ratio >= 1.0 or n == 0:
             ctx.report(budgets=torch.unique(tokens.frame, return_counts=True)[1].tolist())
             return tokens
-        embeds = tokens.embeds
-        if self.params.compute_dtype is not None:
-            embeds = embeds.to(DTYPES[self.params.compute_dtype])
-        target = self.retained_count(n, tokens.grid, ctx.family) if self.params.fixed_count else None
+        embeds = tokens.embeds.to(vtc.as_dtype(self.compute_dtype, tokens.embeds.dtype))
+        target = self.retained_count(n, tokens.grid, ctx.family) if self.fixed_count else None
         plan = vidcom2_plan(
             embeds,
             tokens.frame,
-            self.ratio,
-            self.params.channel_ratio,
-            self.params.temperature,
-            self.params.alphas,
-            target,
+            ratio,
+            channel_ratio=self.channel_ratio,
+            temperature=self.temperature,
+            alphas=self.alphas,
+            target=target,
         )
         ctx.report(budgets=plan.budgets, plan=plan)  # per-frame budgets k_f (adaptive mode keeps sum(k_f))
         if plan.keep.numel() == n:
             return tokens
         return tokens.select(plan.keep)
-
-
-@hookimpl
-def vtc_register_methods(registry):
-    registry.add(
-        MethodInfo(
-            name="vidcom2",
-            factory=VidCom2,
-            params=VidCom2Params,
-            stages=("connect",),
-            paper="Video Compression Commander: Plug-and-Play Inference Acceleration for Video LLMs (EMNLP 2025)",
-            url="https://arxiv.org/abs/2505.14454",
-            summary="per-frame budgets by frame uniqueness; keep the tokens least like the video and frame centres",
-            fixed_count=True,
-            position_policy="compact",
-        )
-    )

@@ -25,9 +25,8 @@ import math
 
 import torch
 
+import vtc
 from vtc.core.geometry import FamilyGeometry, default_geometry
-from vtc.core.hookspecs import hookimpl
-from vtc.core.registry import MethodInfo
 from vtc.core.vision_stats import VisionStat
 from vtc_kernels.matching import best_match
 from vtc_kernels.merge import merge_into_anchors
@@ -37,31 +36,6 @@ Tensor = torch.Tensor
 DOMINANT_RATIO = 54 / 64  # DOMINANT_RATIO of the port (the README's 54 dominant + 10 contextual of LLaVA-1.5)
 PORT_DEFAULT_TOKENS = 50  # SPATIAL_TOKENS default of the port, per 196-token LLaVA-OneVision frame
 PORT_FRAME_TOKENS = 196
-
-
-@dataclasses.dataclass
-class VisionZipParams:
-    tokens_per_frame: int | None = None  # S (SPATIAL_TOKENS): kept per frame; default ceil(retention * n)
-    dominant_ratio: float = DOMINANT_RATIO  # DOMINANT_RATIO: dominant = int(S * ratio), contextual = S - dominant
-    dominant: int | None = None  # official `dominant` per frame (no CLS token here); needs `contextual` too
-    contextual: int | None = None  # official `contextual` per frame; needs `dominant` too
-    merge_before_projector: bool = True  # LLaVA-NeXT-Video: merge CLIP features before the projector (official)
-
-    def __post_init__(self):
-        if self.tokens_per_frame is not None and int(self.tokens_per_frame) < 1:
-            raise ValueError(f"visionzip: tokens_per_frame must be >= 1, got {self.tokens_per_frame}")
-        if not 0.0 <= float(self.dominant_ratio) <= 1.0:
-            raise ValueError(f"visionzip: dominant_ratio must be in [0, 1], got {self.dominant_ratio}")
-        if (self.dominant is None) != (self.contextual is None):
-            raise ValueError("visionzip: give both dominant and contextual (tokens per frame), or neither")
-        if self.dominant is not None:
-            if self.tokens_per_frame is not None:
-                raise ValueError("visionzip: give tokens_per_frame or dominant + contextual, not both")
-            if int(self.dominant) < 0 or int(self.contextual) < 0 or int(self.dominant) + int(self.contextual) < 1:
-                raise ValueError(
-                    f"visionzip: dominant and contextual must be >= 0 with a positive sum, got "
-                    f"{self.dominant} and {self.contextual}"
-                )
 
 
 # --- the algorithm, on one frame ---------------------------------------------------------------------------------
@@ -142,40 +116,74 @@ def token_grid_maps(vision: dict, geometry: FamilyGeometry, size: tuple[int, int
     return geometry.to_token_grid(attention, size), geometry.to_token_grid(keys, size)
 
 
-# --- the plugin ---------------------------------------------------------------------------------------------------
+# --- the method -------------------------------------------------------------------------------------------------
 
 
-class VisionZip:
-    def __init__(self, params: VisionZipParams, retention: float | None = None) -> None:
-        self.params = params
-        self.retention = retention
+@vtc.method(
+    "visionzip",
+    paper="VisionZip: Longer is Better but Not Necessary in Vision Language Models (CVPR 2025)",
+    url="https://arxiv.org/abs/2412.04467",
+    summary="per frame: top vision-attention tokens + key-similarity merges into uniform targets",
+    retention_note="per frame: S = ceil(retention * tokens per frame), so at most one token per frame above",
+    exempt={"ordered_positions": "official order on LLaVA: per frame, dominant tokens then contextual ones"},
+)
+class VisionZip(vtc.TokenMerger):
+    """Per frame, dominant tokens by vision attention + contextual merges (official: dvlab-research/VisionZip
+    visionzip/clip_encoder.py; the video port: cokeshao/HoliTom visionzip/llava_arch.py)."""
 
-    def vision_stats(self, family: str) -> list[VisionStat]:
+    tokens_per_frame: int | None = vtc.param(
+        None, range="[1, inf)", doc="S (SPATIAL_TOKENS): kept per frame; default ceil(retention * n)"
+    )
+    dominant_ratio: float = vtc.param(
+        DOMINANT_RATIO, range="[0, 1]", doc="DOMINANT_RATIO: dominant = int(S * ratio), contextual = S - dominant"
+    )
+    dominant: int | None = vtc.param(
+        None, range="[0, inf)", doc="official `dominant` per frame (no CLS token here); needs `contextual` too"
+    )
+    contextual: int | None = vtc.param(None, range="[0, inf)", doc="official `contextual` per frame; needs `dominant`")
+    merge_before_projector: bool = vtc.param(
+        True, doc="LLaVA-NeXT-Video: merge CLIP features before the projector (official)"
+    )
+
+    positions = "compact"
+    prepool = True  # LLaVA-NeXT-Video merges CLIP features before the projector (other families ignore it)
+
+    def validate(self):
+        if (self.dominant is None) != (self.contextual is None):
+            raise ValueError("visionzip: give both dominant and contextual (tokens per frame), or neither")
+        if self.dominant is not None:
+            if self.tokens_per_frame is not None:
+                raise ValueError("visionzip: give tokens_per_frame or dominant + contextual, not both")
+            if self.dominant + self.contextual < 1:
+                raise ValueError(
+                    f"visionzip: dominant and contextual must be >= 0 with a positive sum, got "
+                    f"{self.dominant} and {self.contextual}"
+                )
+
+    def vision_stats(self, family):
         return vision_stats_for(default_geometry(family))
 
     def counts(self, num_patches: int) -> tuple[int, int]:
         """(dominant, contextual) per frame of `num_patches` tokens."""
-        p = self.params
-        if p.dominant is not None:
-            return int(p.dominant), int(p.contextual)
+        if self.dominant is not None:
+            return self.dominant, self.contextual
         tokens = (
-            int(p.tokens_per_frame) if p.tokens_per_frame is not None else frame_tokens(num_patches, self.retention)
+            self.tokens_per_frame if self.tokens_per_frame is not None else frame_tokens(num_patches, self.retention)
         )
-        return split_counts(tokens, float(p.dominant_ratio))
+        return split_counts(tokens, self.dominant_ratio)
 
-    def retained_count(self, num_tokens: int, grid, family: str) -> int | None:
+    def retained_count(self, num_tokens, grid, family):
         t, h, w = grid
         if num_tokens != t * h * w:
-            return None  # an earlier plugin thinned the frames: per-frame caps make it content-dependent
+            return None  # an earlier method thinned the frames: per-frame caps make it content-dependent
         return t * min(sum(self.counts(h * w)), h * w)
 
-    @hookimpl
-    def vtc_connect(self, tokens, ctx):
+    def plan(self, tokens, ctx):
         t, h, w = tokens.grid
         dominant, contextual = self.counts(h * w)
         n = len(tokens)
         if dominant + contextual >= h * w or n == 0:
-            return tokens
+            return None
         attention, metric = token_grid_maps(ctx.vision, ctx.geometry, (h, w))
         patch = tokens.patch
         device = tokens.embeds.device
@@ -185,24 +193,24 @@ class VisionZip:
         keep, new_embeds, dst, src, src_weight = [], [], [], [], []
         for idx in tokens.frame_groups("patch"):
             f = int(tokens.frame[idx[0]])
-            if idx.numel() <= dominant + contextual:  # a frame an earlier plugin thinned below S: keep it whole
+            if idx.numel() <= dominant + contextual:  # a frame an earlier method thinned below S: keep it whole
                 keep.append(idx)
                 new_embeds.append(tokens.embeds[idx])
                 continue
-            plan = select_frame(attention[f, patch[idx]], metric[f, patch[idx]], dominant, contextual)
-            targets, members = idx[plan.targets], idx[plan.members]
+            chosen = select_frame(attention[f, patch[idx]], metric[f, patch[idx]], dominant, contextual)
+            targets, members = idx[chosen.targets], idx[chosen.members]
             if blocks is not None:  # CLIP features: merge, then the model's pooling and projector
-                merged = contextual_features(blocks[targets], blocks[members], plan.assign)
+                merged = contextual_features(blocks[targets], blocks[members], chosen.assign)
                 ctx_embeds = ctx.pool(merged).reshape(targets.numel(), -1).to(tokens.embeds.dtype)
             else:
-                ctx_embeds = contextual_features(tokens.embeds[targets], tokens.embeds[members], plan.assign)
-            base = sum(k.numel() for k in keep) + plan.dominant.numel()
-            counts = torch.bincount(plan.assign, minlength=targets.numel()).clamp(min=1)
-            keep += [idx[plan.dominant], targets]
-            new_embeds += [tokens.embeds[idx[plan.dominant]], ctx_embeds]
-            dst.append(base + plan.assign)
+                ctx_embeds = contextual_features(tokens.embeds[targets], tokens.embeds[members], chosen.assign)
+            base = sum(k.numel() for k in keep) + chosen.dominant.numel()
+            counts = torch.bincount(chosen.assign, minlength=targets.numel()).clamp(min=1)
+            keep += [idx[chosen.dominant], targets]
+            new_embeds += [tokens.embeds[idx[chosen.dominant]], ctx_embeds]
+            dst.append(base + chosen.assign)
             src.append(members)
-            src_weight.append(1.0 / counts[plan.assign].float())
+            src_weight.append(1.0 / counts[chosen.assign].float())
         keep_idx = torch.cat(keep)
         embeds = torch.cat(new_embeds)
         dst_idx = torch.cat(dst) if dst else keep_idx[:0]
@@ -213,13 +221,13 @@ class VisionZip:
             rank = torch.empty_like(order)
             rank[order] = torch.arange(order.numel(), device=order.device)
             keep_idx, embeds, dst_idx = keep_idx[order], embeds[order], rank[dst_idx]
-        return tokens.merge(keep_idx, dst_idx, src_idx, weights, embeds=embeds)
+        return vtc.Merge(keep_idx, dst_idx, src_idx, weights, embeds=embeds)
 
     def _prepool_blocks(self, tokens, ctx) -> Tensor | None:
         """Per token, its s x s block of tower features before a pooler that precedes the projector (LLaVA-NeXT-
         Video's CLIP features, [N, s, s, D_vision]), when the tokens are the untouched pooled grid; else None
         (merge the LLM tokens instead)."""
-        if not ctx.geometry.pool_before_projector or not self.params.merge_before_projector:
+        if not ctx.geometry.pool_before_projector or not self.merge_before_projector:
             return None
         prepool = ctx.prepool
         t, h, w = tokens.grid
@@ -231,26 +239,3 @@ class VisionZip:
             return None
         blocks = prepool.reshape(t, h, s, w, s, dim).permute(0, 1, 3, 2, 4, 5).reshape(t * h * w, s, s, dim)
         return blocks.to(tokens.embeds.device)[tokens.frame * h * w + tokens.patch]
-
-
-@hookimpl
-def vtc_register_methods(registry):
-    registry.add(
-        MethodInfo(
-            name="visionzip",
-            factory=VisionZip,
-            params=VisionZipParams,
-            stages=("connect",),
-            paper="VisionZip: Longer is Better but Not Necessary in Vision Language Models (CVPR 2025)",
-            url="https://arxiv.org/abs/2412.04467",
-            summary="per frame: top vision-attention tokens + key-similarity merges into uniform targets",
-            fixed_count=True,
-            position_policy="compact",
-            vision_stats=True,
-            prepool=True,  # LLaVA-NeXT-Video merges CLIP features before the projector (other families ignore it)
-            retention_note="per frame: S = ceil(retention * tokens per frame), so at most one token per frame above",
-            conformance_exemptions={
-                "ordered_positions": "official order on LLaVA: per frame, dominant tokens then contextual ones"
-            },
-        )
-    )

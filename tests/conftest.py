@@ -4,6 +4,7 @@ videos with moving shapes / scene cuts / static stretches, and processor inputs 
 
 from __future__ import annotations
 
+import gc
 import os
 import warnings
 
@@ -40,6 +41,55 @@ collect_ignore = ["plugin_example"]  # an installable example package; tests/tes
 def _seeded_global_rng():
     """Every test starts from the same global RNG state, so its random inputs do not depend on test order."""
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _no_patch_left_behind(request):
+    """A test leaves no model patched and no stream open. The tiny models are cached for the whole session
+    (`model_and_processor`), so a patch a test forgets (a failure before its `unpatch`, a handle outside `with`)
+    would make every later test on that model fail with "already patched", far from the cause; and a patched
+    model is never freed (`PATCHED_MODELS` holds its patch, which holds the model), so a model the test built
+    itself leaks too. After each test, whatever it left is undone, so later tests start clean, and the test fails
+    (an error at teardown) naming what it left. Patches and streams that existed when the test started belong to
+    a wider-scoped fixture (e.g. an lmms-eval model held for a module), which owns their teardown."""
+    from vtc.hf.patching import OPEN_STREAMS, PATCHED_MODELS, open_streams
+
+    before_patches = {id(p) for p in PATCHED_MODELS.values()}
+    before_streams = {id(s) for model in list(OPEN_STREAMS.keys()) for s in open_streams(model)}
+    yield
+    if not (PATCHED_MODELS or OPEN_STREAMS):
+        return
+    if OPEN_STREAMS:
+        gc.collect()  # a session the test dropped without close() is gone (held weakly), not open
+    patches = [p for p in PATCHED_MODELS.values() if id(p) not in before_patches]
+    streams = [
+        session
+        for model in list(OPEN_STREAMS.keys())
+        for session in open_streams(model)
+        if id(session) not in before_streams
+    ]
+    from vtc.testing.fixtures import SHARED_MODELS
+
+    # every leftover is undone; a test fails for what it left on a model other tests share (a model it built
+    # itself, or one an lmms-eval model object holds, dies with it)
+    left = [
+        f"{type(p.adapter.model).__name__} patched by {p.describe()}"
+        for p in patches
+        if p.adapter.model in SHARED_MODELS
+    ]
+    left += [f"{type(s.model).__name__} with an open {s!r}" for s in streams if s.model in SHARED_MODELS]
+    for patch in patches:
+        patch.remove()
+    for session in streams:
+        session.close()
+    for model in [m for m in list(OPEN_STREAMS.keys()) if not open_streams(m)]:
+        OPEN_STREAMS.pop(model, None)  # sets emptied by collected sessions: nothing is open
+    if left:
+        pytest.fail(
+            f"{request.node.nodeid} left {'; '.join(left)} (now undone, so later tests start clean): use "
+            "`with vtc.patch(...)` / `with vtc.stream(...)`, or unpatch / close in a `finally:` block",
+            pytrace=False,
+        )
 
 
 @pytest.fixture(params=FAMILIES)

@@ -7,9 +7,7 @@ import dataclasses
 import torch
 
 import vtc
-from vtc.core.hookspecs import hookimpl
 from vtc.core.pipeline import Pipeline
-from vtc.core.registry import MethodInfo, Registry
 from vtc.core.stats import StatsRecorder
 from vtc.hf.adapters import resolve_adapter
 from vtc.hf.patching import ModelPatch
@@ -38,54 +36,41 @@ def llm_inputs(model, inputs, method: str | None = None, **kwargs):
     return seen["embeds"][0], seen["positions"], handle
 
 
-@dataclasses.dataclass
-class SpyParams:
-    pass
+@vtc.method("spy", paper="test probe")
+class ConnectSpy(vtc.Method):
+    """A connect method that asks for the vision statistics `stats`, records the tokens and context it is given,
+    and keeps everything (`PrepoolSpy` also asks for the pre-pool features)."""
 
+    stats: tuple = ()
+    seen: list = dataclasses.field(default_factory=list)  # shared with the pipeline's bound copy
 
-class ConnectSpy:
-    """A connect plugin that asks for the vision statistics `stats` (and the pre-pool features with `prepool`),
-    records the tokens and context it is given, and keeps everything."""
-
-    def __init__(self, stats=(), prepool: bool = False):
-        self.stats = list(stats)
-        self.prepool = prepool
-        self.seen = []
+    reduces_tokens = False
 
     def vision_stats(self, family):
-        return self.stats
+        return list(self.stats)
 
-    @hookimpl
-    def vtc_connect(self, tokens, ctx):
+    def connect(self, tokens, ctx):
         self.seen.append((tokens, ctx))
         return tokens
 
 
+@vtc.method("spy", paper="test probe")
+class PrepoolSpy(ConnectSpy):
+    prepool = True
+
+
 def install_spy(model, spy: ConnectSpy):
-    """Install the spy as the only method of a pipeline (declared like any plugin, through its own registry);
-    returns the installed `ModelPatch` (remove it with `.remove()`)."""
-    info = MethodInfo(
-        name="spy",
-        factory=lambda params, retention: spy,
-        params=SpyParams,
-        stages=("connect",),
-        paper="test probe",
-        reduces_tokens=False,
-        vision_stats=True,
-        prepool=spy.prepool,
-    )
-    methods = Registry()
-    methods.add(info)
+    """Install the spy as the only method of a pipeline; returns the installed `ModelPatch` (remove it with
+    `.remove()`)."""
     adapter = resolve_adapter(model)
-    pipeline = Pipeline("spy", methods=methods, family=adapter.family)
-    patch = ModelPatch(adapter, pipeline, StatsRecorder())
+    patch = ModelPatch(adapter, Pipeline(spy, family=adapter.family), StatsRecorder())
     patch.install()
     return patch
 
 
 def connect_inputs(model, inputs, stats=(), prepool: bool = False):
     """(VideoTokens, Context) a connect plugin asking for `stats` receives for the first video of `inputs`."""
-    spy = ConnectSpy(stats, prepool)
+    spy = (PrepoolSpy if prepool else ConnectSpy)(tuple(stats))
     patch = install_spy(model, spy)
     try:
         with torch.no_grad():
@@ -96,22 +81,13 @@ def connect_inputs(model, inputs, stats=(), prepool: bool = False):
 
 
 def keep_plugin_source(name: str) -> str:
-    """Source of a third-party plugin module registering `name`, a connect method that keeps every token."""
+    """Source of a third-party plugin module defining `name`, a connect method that keeps every token."""
     return (
-        "import dataclasses\n"
-        "from vtc import MethodInfo, hookimpl\n"
-        "@dataclasses.dataclass\n"
-        "class P:\n"
-        "    pass\n"
-        "class Keep:\n"
-        "    def __init__(self, params, retention):\n"
-        "        pass\n"
-        "    @hookimpl\n"
-        "    def vtc_connect(self, tokens, ctx):\n"
+        "import vtc\n"
+        f"@vtc.method({name!r}, paper='x')\n"
+        "class Keep(vtc.Method):\n"
+        "    def connect(self, tokens, ctx):\n"
         "        return tokens\n"
-        "@hookimpl\n"
-        "def vtc_register_methods(registry):\n"
-        f"    registry.add(MethodInfo(name={name!r}, factory=Keep, params=P, stages=('connect',), paper='x'))\n"
     )
 
 

@@ -20,9 +20,10 @@ from vtc.core.vision_stats import VisionStat
 from vtc_plugins.aot import (
     AOT,
     SIGLIP_TOKENS,
-    AOTParams,
+    Block,
     anchor_budget,
     anchors_on_grid,
+    block_plan,
     clip_segments,
     fixed_total,
     frame_count_for,
@@ -39,7 +40,7 @@ from vtc_plugins.aot import (
 
 SHALLOW, DEEP = VisionStat("received", 5), VisionStat("received", -2)
 # the tiny test towers have 2 layers: AOT's official shallow layer 5 does not exist there
-TINY = vtc.registry()["aot"].test_params
+TINY = vtc.registry()["aot"].testing.params
 TINY_SHALLOW = VisionStat("received", TINY["shallow_layer"])
 
 
@@ -214,36 +215,37 @@ def onevision_context(grid, shallow, deep):
 
 
 def test_defaults_match_the_official_scripts():
-    p = AOTParams()
+    p = AOT()
     assert (p.global_ratio, p.inter_scale, p.intra_scale) == (0.5, 1.0, 1.0)
     assert (p.epsilon, p.max_iter, p.tol, p.spatial_weight, p.nn_weight, p.sigma_t) == (0.1, 100, 1e-2, 0.5, 0.1, 1.5)
     assert (p.shallow_layer, p.deep_layer, p.windows) == (5, -2, 3)
     assert not p.fixed_count and p.compute_dtype is None
-    plugin = AOT(p, None)
+    plugin = p
     # eval_ov-7b.sh, MVBench / EgoSchema: 32 frames -> clips of 4, 64 -> clips of 8
     assert plugin.budget((32, 14, 14), "llava_onevision") == (126, 0.3, 4, True)
     assert plugin.budget((64, 14, 14), "llava_onevision") == (126, 0.3, 8, True)
-    assert AOT(AOTParams(setting="videomme"), None).budget((32, 14, 14), "llava_onevision") == (108, 0.1, 4, True)
+    assert AOT(setting="videomme").budget((32, 14, 14), "llava_onevision") == (108, 0.1, 4, True)
     # eval_vid-7b.sh: inter off, 180 (the pooling-before-projector family runs without the inter-frame step)
     assert plugin.budget((64, 12, 12), "llava_next_video") == (180, 0.3, 8, False)
     assert plugin.vision_stats("qwen2_vl") == [SHALLOW, DEEP]
     for bad in ({"visual_token_num": 0}, {"keep_ratio": 1.5}, {"setting": "x"}, {"clip_frames": 0}, {"epsilon": 0}):
         with pytest.raises(ValueError, match="aot"):
-            AOTParams(**bad)
+            AOT(**bad)
 
 
-def test_method_info_declares_the_capabilities():
-    info = vtc.registry()["aot"]
-    assert info.stages == ("connect",) and info.reduces_tokens
+def test_method_card_declares_the_capabilities():
+    cls = vtc.registry()["aot"]
+    info = cls.card
+    assert cls is AOT and info.stages == ("connect",) and info.reduces_tokens
     assert info.fixed_count and info.fixed_count_mode == "optional"
     assert info.vision_stats and info.prepool  # attention maps + LLaVA's pre-pool 27 x 27 grid
-    assert not info.needs_whole_frames and not info.acts_during_decode and not info.query_aware
-    assert info.position_policy == "compact" and info.retention_reference == "llm_input"
+    assert not info.whole_frames and not info.during_decode and not info.query_aware
+    assert info.positions == "compact" and info.retention_reference == "llm_input"
     assert info.retention_granularity == 9 and "window" in info.retention_note
-    assert set(info.conformance_exemptions) == {"retention", "ordered_positions"}
-    assert info.test_params == {"shallow_layer": 1}
-    # the plugin object offers exactly the declared capabilities, and no legacy attributes
-    plugin = AOT(AOTParams(), 0.2)
+    assert set(cls.testing.exemptions) == {"retention", "ordered_positions"}
+    assert cls.testing.params == {"shallow_layer": 1}
+    # the method object offers exactly the declared capabilities, and no legacy attributes
+    plugin = AOT().bind(0.2)
     assert callable(plugin.retained_count) and callable(plugin.vision_stats)
     assert not hasattr(plugin, "needs_prepool") and not hasattr(plugin, "last_kept")
 
@@ -300,7 +302,7 @@ def test_retention_rule_minimises_the_miss(grid, keep, clip, inter, prepool):
     totals = {v: _rule_total(v, grid, keep, clip, inter, prepool) for v in range(1, SIGLIP_TOKENS + 1)}
     steps = [totals[v + 1] - totals[v] for v in range(1, SIGLIP_TOKENS)]
     assert min(steps) >= 0  # the totals are monotone in V
-    granularity = vtc.registry()["aot"].retention_granularity
+    granularity = vtc.registry()["aot"].card.retention_granularity
     for r in (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.5):
         v = visual_token_num_for(r, grid, keep, clip, inter, prepool)
         target = round(r * n)
@@ -318,25 +320,25 @@ def test_retention_rule_minimises_the_miss(grid, keep, clip, inter, prepool):
 
 def test_retention_mapping_feeds_the_budget_and_the_fixed_count():
     v = visual_token_num_for(0.2, (32, 14, 14), 0.3, 4, True, True)
-    assert AOT(AOTParams(), 0.2).budget((32, 14, 14), "llava_onevision") == (v, 0.3, 4, True)
+    assert AOT().bind(0.2).budget((32, 14, 14), "llava_onevision") == (v, 0.3, 4, True)
     # the same retention on a Qwen grid searches the token-grid anchor counts instead
     vq = visual_token_num_for(0.2, (8, 6, 9), 0.3, 1, True, False)
-    assert AOT(AOTParams(), 0.2).budget((8, 6, 9), "qwen2_vl") == (vq, 0.3, 1, True)
+    assert AOT().bind(0.2).budget((8, 6, 9), "qwen2_vl") == (vq, 0.3, 1, True)
     # the inter-frame step keeps more per frame than without it at the same retention
     assert v > visual_token_num_for(0.2, (32, 14, 14), 0.3, 4, False, True)
     # explicit parameters win over the retention; without a retention the script settings apply
-    explicit = AOT(AOTParams(visual_token_num=90, keep_ratio=0.2), 0.2)
+    explicit = AOT(visual_token_num=90, keep_ratio=0.2).bind(0.2)
     assert explicit.budget((32, 6, 9), "qwen2_vl") == (90, 0.2, 4, True)
-    no_inter = AOT(AOTParams(clip_frames=2, inter_compress=False), None)
+    no_inter = AOT(clip_frames=2, inter_compress=False)
     assert no_inter.budget((32, 6, 9), "qwen2_vl") == (180, 0.3, 2, False)
-    assert AOT(AOTParams(clip_frames=1), None).budget((32, 6, 9), "qwen2_vl") == (180, 0.3, 1, True)  # no inter step
+    assert AOT(clip_frames=1).budget((32, 6, 9), "qwen2_vl") == (180, 0.3, 1, True)  # no inter step
     # fixed-count mode: retained_count is the rule's total, within one window step per frame of r N
     cases = (("llava_onevision", (32, 14, 14)), ("llava_next_video", (16, 12, 12)), ("qwen2_vl", (8, 6, 9)))
     for family, grid in cases:
         t, h, w = grid
         prepool = default_geometry(family).has_prepool_grid
         for r in (0.1, 0.25, 0.5):
-            plugin = AOT(AOTParams(fixed_count=True), r)
+            plugin = AOT(fixed_count=True).bind(r)
             vr, keep, clip, inter = plugin.budget(grid, family)
             count = plugin.retained_count(t * h * w, grid, family)
             assert count == _rule_total(vr, grid, keep, clip, inter, prepool)
@@ -348,13 +350,13 @@ def test_retention_mapping_feeds_the_budget_and_the_fixed_count():
 def test_retention_one_returns_the_input_tokens():
     grid, shallow, deep = onevision_video(frames=8, dim=8)
     tokens = grid_tokens(bilinear_pool(grid).reshape(-1, 8), (8, 14, 14))
-    plugin = AOT(AOTParams(), 1.0)
+    plugin = AOT().bind(1.0)
     ctx = onevision_context(grid, shallow, deep)
-    assert plugin.vtc_connect(tokens=tokens, ctx=ctx) is tokens
+    assert plugin.connect(tokens, ctx) is tokens
     assert ctx.reports == {}  # nothing decided: no budget reported
     assert plugin.retained_count(1568, (8, 14, 14), "llava_onevision") == 1568
     assert plugin.retained_count(1000, (8, 14, 14), "llava_onevision") == 1000  # keeps whatever it gets
-    assert AOT(AOTParams(), 0.3).retained_count(1568, (8, 14, 14), "llava_onevision") is None  # adaptive by default
+    assert AOT().bind(0.3).retained_count(1568, (8, 14, 14), "llava_onevision") is None  # adaptive by default
 
 
 # --- intra-frame --------------------------------------------------------------------------------------------------
@@ -511,6 +513,32 @@ def test_ota_merge_time_matches_the_official_step(seed, dt, keep):
     assert bool((exact.pmax[exact.keep].max() <= exact.pmax[~exact.keep].min()))  # the least matched stay
 
 
+def test_block_plans_are_the_block_diagonal_dense_merge():
+    """AOT's merges go through `merge_dense` with the map given by its diagonal blocks (frames, clips): the same
+    tokens, features and counts as the whole block-diagonal matrix; blocks without sources copy their tokens."""
+    g = torch.Generator().manual_seed(0)
+    tokens = grid_tokens(torch.randn(12, 4, generator=g, dtype=torch.float64), (3, 2, 2))
+    tokens.extras["deepstack"] = torch.randn(12, 3, generator=g)
+    tokens.extras["deepstack"][1] = -0.0
+    w0 = torch.rand(2, 2, generator=g)
+    w1 = torch.rand(1, 3, generator=g)
+    blocks = [
+        Block(torch.tensor([0, 1]), tokens.embeds[[0, 1]]),  # kept as they are
+        Block(torch.tensor([4, 5]), tokens.embeds[[4, 5]] * 2, torch.tensor([0.5, 0.25]), torch.tensor([6, 7]), w0),
+        Block(torch.tensor([8]), tokens.embeds[[8]], torch.tensor([0.3]), torch.tensor([9, 10, 11]), w1),
+    ]
+    out = block_plan(blocks, tokens.embeds.device).apply(tokens)
+    dense = torch.zeros(5, 5)
+    dense[2:4, :2], dense[4:, 2:] = w0, w1
+    keep, src = torch.tensor([0, 1, 4, 5, 8]), torch.tensor([6, 7, 9, 10, 11])
+    ref = tokens.merge_dense(keep, torch.tensor([1.0, 1.0, 0.5, 0.25, 0.3]), src, dense, embeds=out.embeds)
+    assert torch.equal(out.positions, ref.positions) and torch.equal(out.weight, ref.weight)
+    assert out.weight.tolist() == [1, 1, 3, 1, 4]  # tokens 2 and 3 are in no block: dropped
+    torch.testing.assert_close(out.extras["deepstack"], ref.extras["deepstack"])
+    assert torch.equal(out.extras["deepstack"][:2], tokens.extras["deepstack"][:2])  # copied, -0.0 included
+    assert torch.signbit(out.extras["deepstack"][1]).all()
+
+
 def test_clip_output_order_and_counts():
     """8 frames of 5 tokens in clips of 4: [f0 ; residuals f1..f3 ; merged f0] twice."""
     g = torch.Generator().manual_seed(0)
@@ -520,7 +548,7 @@ def test_clip_output_order_and_counts():
     )
     tokens = grid_tokens(embeds.reshape(40, 6), grid)
     tokens.extras["deepstack"] = tokens.embeds.clone().float()
-    plugin = AOT(AOTParams(keep_ratio=0.5, clip_frames=4), None)
+    plugin = AOT(keep_ratio=0.5, clip_frames=4)
     out = plugin._inter_step(tokens, 4, 0.5, fixed=False)
     residual = residual_count(5, 0.5)  # 2 of 5 tokens per later frame
     assert residual == 2 and len(out) == 2 * (5 + 3 * residual + 5)
@@ -550,9 +578,9 @@ def test_clip_output_order_and_counts():
 def test_onevision_connect_matches_the_official_pipeline(seed, setting):
     grid, shallow, deep = onevision_video(seed=seed)
     tokens = grid_tokens(bilinear_pool(grid).reshape(-1, 16), (32, 14, 14))
-    plugin = AOT(AOTParams(setting=setting), None)
+    plugin = AOT(setting=setting)
     ctx = onevision_context(grid, shallow, deep)
-    out = plugin.vtc_connect(tokens=tokens, ctx=ctx)
+    out = plugin.connect(tokens, ctx)
     v, keep = {"mvbench": (126, 0.3), "videomme": (108, 0.1)}[setting]
     ref, pooled_mask = ref_aot_onevision(grid, shallow, deep, v, keep, 4)
     assert out.embeds.shape == ref.shape
@@ -573,9 +601,9 @@ def test_onevision_fixed_count_is_exact_and_content_independent():
     for seed in (0, 1):
         grid, shallow, deep = onevision_video(seed=seed, frames=16)
         tokens = grid_tokens(bilinear_pool(grid).reshape(-1, 16), (16, 14, 14))
-        plugin = AOT(AOTParams(fixed_count=True), 0.15)
+        plugin = AOT(fixed_count=True).bind(0.15)
         ctx = onevision_context(grid, shallow, deep)
-        out = plugin.vtc_connect(tokens=tokens, ctx=ctx)
+        out = plugin.connect(tokens, ctx)
         target = plugin.retained_count(len(tokens), tokens.grid, "llava_onevision")
         assert len(out) == target
         counts.add(target)
@@ -598,8 +626,8 @@ def test_token_grid_path_keeps_anchors_and_mixes_side_features():
     tokens.extras["deepstack"] = embeds.clone().float()
     shallow, deep = torch.rand(t, h * w, generator=g), torch.rand(t, h * w, generator=g)
     ctx = Context(family="qwen2_vl", geometry=default_geometry("qwen2_vl"), vision={SHALLOW: shallow, DEEP: deep})
-    plugin = AOT(AOTParams(visual_token_num=243, inter_compress=False), None)  # a third of the tokens
-    out = plugin.vtc_connect(tokens=tokens, ctx=ctx)
+    plugin = AOT(visual_token_num=243, inter_compress=False)  # a third of the tokens
+    out = plugin.connect(tokens, ctx)
     assert ctx.reports == {"budget": [(243, 0.3, 1, False)]}
     vg = round(243 * h * w / 729)
     per_window, num_global = anchor_budget(vg, 0.5)
@@ -614,7 +642,7 @@ def test_token_grid_path_keeps_anchors_and_mixes_side_features():
     keep = torch.ones(t * h * w, dtype=torch.bool)
     keep[: h * w : 2] = False
     thinned = tokens.select(torch.nonzero(keep).flatten())
-    part = plugin.vtc_connect(tokens=thinned, ctx=ctx)
+    part = plugin.connect(thinned, ctx)
     assert 0 < len(part) <= len(out) and set(part.frame.tolist()) == set(range(t))
     # the complete frames pick the same anchors as before
     later = out.frame > 0
@@ -623,7 +651,7 @@ def test_token_grid_path_keeps_anchors_and_mixes_side_features():
     # frame 0 picks its anchors among the tokens present only
     assert set(part.patch[part.frame == 0].tolist()) <= set(range(1, h * w, 2))
     # fixed-count mode promises a count for the full grid only (a thinned frame may hold fewer than its quota)
-    fixed = AOT(AOTParams(visual_token_num=243, inter_compress=False, fixed_count=True), None)
+    fixed = AOT(visual_token_num=243, inter_compress=False, fixed_count=True)
     assert fixed.retained_count(len(tokens), tokens.grid, "qwen2_vl") == len(out)
     assert fixed.retained_count(len(thinned), thinned.grid, "qwen2_vl") is None
 
@@ -632,16 +660,16 @@ def test_token_grid_path_keeps_anchors_and_mixes_side_features():
 
 
 def _spy(plugin):
-    """Record what the plugin's connect hook gets and returns."""
+    """Record what the method's connect hook gets and returns."""
     calls = []
-    original = plugin.vtc_connect
+    original = plugin.connect
 
     def wrapped(tokens, ctx):
-        out = original(tokens=tokens, ctx=ctx)
+        out = original(tokens, ctx)
         calls.append((tokens, ctx, out))
         return out
 
-    plugin.vtc_connect = wrapped
+    plugin.connect = wrapped
     return calls
 
 
@@ -657,7 +685,7 @@ def test_patched_onevision_sends_the_official_tokens_to_the_llm():
         # registered after vtc's own hook: sees what the LLM really gets
         probe = vtc.api.resolve_adapter(model).text_model.register_forward_pre_hook(grab, with_kwargs=True)
         try:
-            plugin = handle.pipeline.entries[0].plugin
+            plugin = handle.pipeline.entries[0].method
             calls = _spy(plugin)
             with torch.no_grad():
                 model(**inputs)
@@ -699,7 +727,7 @@ def test_patched_fixed_count_matches_the_plan(family):
             # per video (connect records, in video order) and the budget each video was given
             records = [r for r in stats.stages if r.stage == "connect" and r.plugin == "aot"]
             assert [r.tokens_out for r in records] == planned
-            plugin = AOT(AOTParams(**params), 0.25)
+            plugin = AOT(**params).bind(0.25)
             assert stats.reports["aot"]["budget"] == [plugin.budget(grid, family) for grid in stats.grids]
             for grid, count in zip(stats.grids, planned):
                 t, h, w = grid
@@ -709,7 +737,7 @@ def test_patched_fixed_count_matches_the_plan(family):
 def test_reports_cover_every_video_of_the_last_forward():
     model, _ = model_and_processor("llava_next_video")
     with vtc.patch(model, "aot", retention=0.3, **TINY) as handle:
-        plugin = handle.pipeline.entries[0].plugin
+        plugin = handle.pipeline.entries[0].method
         for inputs, videos in ((batch_inputs("llava_next_video"), 2), (single_inputs("llava_next_video"), 1)):
             with torch.no_grad():
                 model(**inputs)

@@ -1,13 +1,15 @@
 """The public API: errors that name the problem and the allowed values, patch lifecycle (context manager,
-patching twice, two models in one process), parameter routing, inputs without a video; what `vtc.patch`
-refuses before any model runs (compositions, plugins whose object and declaration disagree, vision statistics
-the tower does not have), what each forward checks (connect outputs, promised counts, a new video on a
-continued cache), `retained_count` bound to a family, and third-party plugins that fail to load."""
+a second patch of a patched model refused, two models in one process), parameter routing, inputs without a video,
+fewer frames than asked warned and kept in the stats; what `vtc.patch` refuses before any model runs
+(compositions, methods without their own card, families lacking what a method requires, vision statistics the
+tower does not have), what method classes contradicting their hooks are refused when defined, what
+each forward checks (connect outputs, promised counts, a new video on a continued cache), `retained_count` bound
+to a family, and third-party plugins that fail to load."""
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
+import re
 import warnings
 
 import pytest
@@ -16,10 +18,11 @@ import torch
 import vtc
 from tests.conftest import model_and_processor, single_inputs, videos
 from tests.probes import fake_distribution, keep_plugin_source
-from vtc.core.hookspecs import hookimpl
 from vtc.core.pipeline import Pipeline, validate_grid
-from vtc.core.registry import MethodInfo, Registry, registry
+from vtc.core.registry import Registry, registry
 from vtc.core.vision_stats import VisionStat
+from vtc.hf.patching import PATCHED_MODELS
+from vtc.media.video import synthetic_video
 from vtc.testing import tiny
 
 
@@ -47,7 +50,9 @@ def test_unsupported_model_lists_families():
     model = LlamaForCausalLM(
         LlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=100)
     )
-    with pytest.raises(TypeError, match=r"does not support LlamaForCausalLM; supported model families: qwen2_vl"):
+    with pytest.raises(
+        TypeError, match=r"does not support LlamaForCausalLM; supported model families: .*qwen2_vl \(Qwen2VLForCond"
+    ):
         vtc.patch(model, "fastv")
 
 
@@ -69,14 +74,14 @@ def test_parameter_routing_and_errors():
     model, _ = model_and_processor("qwen2_vl")
     with vtc.patch(model, "uniform+fastv", retention=0.5, k=3, num_frames=4) as handle:
         fastv = handle.pipeline.entries[-1]
-        assert fastv.params.k == 3 and handle.pipeline.entries[0].params.num_frames == 4
+        assert fastv.method.k == 3 and handle.pipeline.entries[0].method.num_frames == 4
     with vtc.patch(model, "fastv", **{"fastv.k": 1}) as handle:
-        assert handle.pipeline.entries[0].params.k == 1
+        assert handle.pipeline.entries[0].method.k == 1
     with pytest.raises(ValueError, match=r"unknown parameter 'kk'.*fastv: k, ratio"):
         vtc.patch(model, "fastv", kk=3)
     with pytest.raises(ValueError, match=r"method 'fastv' has no parameter 'x'; its parameters: k, ratio"):
         vtc.patch(model, "fastv", **{"fastv.x": 1})
-    with pytest.raises(ValueError, match=r"fastv: k must be >= 1"):
+    with pytest.raises(ValueError, match=r"fastv: k must be in \[1, inf\), got 0"):
         vtc.patch(model, "fastv", k=0)
 
 
@@ -133,21 +138,80 @@ def test_context_manager_and_handle_state():
     assert torch.equal(logits(model, inputs), ref)
 
 
-def test_patching_twice_replaces_previous_patch():
+def test_patching_a_patched_model_is_refused_naming_the_active_handle():
+    """Two patches on one model would both hook it: the sequence compressed by one, and unpatching either leaving
+    the other's handle reporting a state the model is not in. The second is refused, naming the first."""
+    model, _ = model_and_processor("qwen2_vl")
+    other, _ = tiny.build("qwen2_vl", seed=1)
+    inputs = single_inputs("qwen2_vl")
+    ref, ref_other = logits(model, inputs), logits(other, inputs)
+    text = vtc.api.resolve_adapter(model).text_model
+    first = vtc.patch(model, "random", retention=0.5)
+    try:
+        compressed = logits(model, inputs)
+        hooks = len(text._forward_pre_hooks)
+        with pytest.raises(ValueError) as err:
+            vtc.patch(model, "fastv", retention=0.3)
+        message = str(err.value)
+        assert message.startswith("this model is already patched by PatchHandle('random', retention=0.5, active)")
+        assert "Compose the methods in one spec instead, e.g. vtc.patch(model, 'random+fastv', retention=...)" in (
+            message
+        )
+        assert "call handle.unpatch() on the active handle first" in message
+        # the refused call installed nothing: the first patch acts alone, and its handle says so
+        assert len(text._forward_pre_hooks) == hooks
+        assert first.active and torch.equal(logits(model, inputs), compressed)
+        assert [s.plugin for s in first.stats().stages] == ["random"]
+        # another model in the same process is not affected, and can be patched meanwhile
+        assert torch.equal(logits(other, inputs), ref_other)
+        with vtc.patch(other, "fastv", retention=0.3) as handle_other:
+            logits(other, inputs)
+            assert [s.plugin for s in handle_other.stats().stages] == ["fastv"]
+        assert torch.equal(logits(other, inputs), ref_other)
+    finally:
+        first.unpatch()
+    assert torch.equal(logits(model, inputs), ref)
+    # once unpatched, the model takes a new patch
+    with vtc.patch(model, "fastv", retention=0.3) as second:
+        logits(model, inputs)
+        assert [s.plugin for s in second.stats().stages] == ["fastv"]
+    assert torch.equal(logits(model, inputs), ref)
+    first.unpatch()  # a stale handle: no effect
+
+
+def test_composing_in_one_spec_is_what_the_refusal_suggests():
     model, _ = model_and_processor("qwen2_vl")
     inputs = single_inputs("qwen2_vl")
-    ref = logits(model, inputs)
-    first = vtc.patch(model, "random", retention=0.5)
-    with pytest.warns(UserWarning, match="already patched with 'random'; replacing it with 'fastv'"):
-        second = vtc.patch(model, "fastv", retention=0.5)
-    assert not first.active and second.active
-    logits(model, inputs)
-    assert second.stats().stages[0].plugin == "fastv"
-    assert first.stats() is None
-    first.unpatch()  # stale handle: no effect
-    assert second.active
-    second.unpatch()
-    assert torch.equal(logits(model, inputs), ref)
+    with vtc.patch(model, "random", retention=0.5):
+        with pytest.raises(ValueError, match=r"vtc\.patch\(model, 'random\+fastv'"):
+            vtc.patch(model, "fastv")
+    with vtc.patch(model, "random+fastv", retention=0.5) as handle:
+        logits(model, inputs)
+        assert [s.plugin for s in handle.stats().stages] == ["random", "fastv"]
+
+
+def test_fewer_frames_than_asked_is_warned_and_kept_in_the_stats():
+    """uniform with num_frames=64 on an 8-frame clip samples the 8 frames there are: a UserWarning naming both
+    counts, and the same sentence in the stats of the prefill that used those inputs (not in a later one)."""
+    model, processor = model_and_processor("qwen2_vl")
+    clip = synthetic_video(8, 64, 64)
+    expected = "uniform's num_frames=64 asks for 64 frames but the video has only 8 frames: the model gets 8 frames"
+    with vtc.patch(model, "uniform+random", retention=0.5, num_frames=64) as handle:
+        with pytest.warns(UserWarning, match=re.escape(expected)) as record:
+            inputs = handle.prepare(processor, clip, "What happens?")
+        assert [w.filename for w in record] == [__file__]  # the warning points at the caller of prepare
+        assert inputs["video_grid_thw"][0, 0].item() == 4  # 8 frames, temporal pairs
+        logits(model, inputs)
+        stats = handle.stats()
+        assert len(stats.warnings) == 1 and stats.warnings[0].startswith(expected)
+        assert f"warning: {expected}" in stats.table() and stats.to_dict()["warnings"] == stats.warnings
+        logits(model, inputs)  # the warning belongs to the request that was prepared, not to every later one
+        assert handle.stats().warnings == []
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            inputs = handle.prepare(processor, clip, "What happens?", num_frames=4)  # enough frames: silent
+        logits(model, inputs)
+        assert handle.stats().warnings == []
 
 
 def test_two_models_in_one_process_are_independent():
@@ -222,7 +286,7 @@ def test_retained_count_needs_a_family_and_a_valid_grid():
         with pytest.raises(ValueError, match=r"a token grid is \(T, H, W\): three positive integers"):
             bound.retained_count(grid)
     assert validate_grid([4.0, 12, 12]) == (4, 12, 12)
-    with pytest.raises(ValueError, match=r"unknown family 'qwen9'; families: qwen2_vl"):
+    with pytest.raises(ValueError, match=r"unknown model family 'qwen9'; known families: .*qwen2_vl"):
         Pipeline("random", 0.5, family="qwen9")
     # a count depends on the family: FastVID's official ratio differs between Qwen and LLaVA
     qwen = Pipeline("fastvid", params={"fixed_count": True}, family="qwen2_vl").retained_count((8, 14, 14))
@@ -230,40 +294,31 @@ def test_retained_count_needs_a_family_and_a_valid_grid():
     assert qwen != llava
 
 
-@dataclasses.dataclass
-class NoParams:
-    pass
-
-
-@dataclasses.dataclass
-class CountParams:
-    keep: int = 10
-
-
-def one_method(name, cls, params=NoParams, **info) -> Registry:
-    """A private registry holding one method (the global one is left alone)."""
+def one_method(cls) -> Registry:
+    """A private registry holding one method class (the global one is left alone)."""
     methods = Registry()
-    methods.add(MethodInfo(name=name, factory=lambda p, r: cls(p), params=params, paper="test", **info))
+    methods.add(cls)
     return methods
+
+
+def renamed(cls, name, **attributes):
+    """`cls` again, as a method named `name` (class attributes overridden)."""
+    return vtc.method(name, paper="test")(type(f"{cls.__name__}_{name}", (cls,), attributes))
 
 
 def test_handle_retained_count_uses_the_models_family(monkeypatch):
     families = []
 
-    class FamilyCount:
-        def __init__(self, params):
-            self.params = params
-
+    @vtc.method("t_family", paper="test")
+    class FamilyCount(vtc.Method):
         def retained_count(self, num_tokens, grid, family):
             families.append(family)
             return {"qwen2_vl": 7, "llava_onevision": 5}[family]
 
-        @hookimpl
-        def vtc_connect(self, tokens, ctx):
+        def connect(self, tokens, ctx):
             return tokens.select(torch.arange(self.retained_count(len(tokens), tokens.grid, ctx.family)))
 
-    info = one_method("t_family", FamilyCount, stages=("connect",), fixed_count=True)["t_family"]
-    monkeypatch.setitem(registry()._methods, "t_family", info)
+    monkeypatch.setitem(registry()._methods, "t_family", FamilyCount)
     for family, count in (("qwen2_vl", 7), ("llava_onevision", 5)):
         model, _ = model_and_processor(family)
         with vtc.patch(model, "t_family") as handle:
@@ -298,16 +353,15 @@ def test_whole_frame_methods_must_come_first():
     assert Pipeline("uniform+holitom", 0.5).names() == ["uniform", "holitom"]  # a sampler does not touch frames
     # QuoTA acts from the sample stage on, so it is ordered before connect-only methods whatever the spec says
     assert Pipeline("divprune+quota", 0.5).names() == ["quota", "divprune"]
-    info = registry()
-    assert info["holitom"].needs_whole_frames and info["quota"].needs_whole_frames
+    methods = registry()
+    assert methods["holitom"].card.whole_frames and methods["quota"].card.whole_frames
 
 
-class Keep:
-    def __init__(self, params=None):
-        self.params = params
+@vtc.method("t_keep", paper="test")
+class Keep(vtc.Method):
+    """A connect method that keeps every token (the tests below derive their methods from it)."""
 
-    @hookimpl
-    def vtc_connect(self, tokens, ctx):
+    def connect(self, tokens, ctx):
         return tokens
 
 
@@ -321,91 +375,87 @@ class KeepWithStats(Keep):
         return [VisionStat("received", -1)]
 
 
-class KeepWithPrepoolAttribute(Keep):
-    needs_prepool = True
-
-
-class PrefillWithDecodeAttribute:
-    acts_during_decode = True
-
-    def __init__(self, params=None):
-        pass
-
-    @hookimpl
-    def vtc_prefill(self, state, ctx):
+class Prefill(vtc.Method):
+    def prefill(self, llm, ctx):
         pass
 
 
+# What a method class declares must fit what it overrides. Capabilities are derived from the overrides (a class
+# that defines retained_count has a fixed count, one that defines vision_stats reads them, a stage is acted in when
+# its hook is defined), so they cannot disagree with the class any more; what remains are class attributes that
+# describe a hook the class lacks, which @vtc.method refuses when the class is defined. test_core covers
+# during_decode without prefill, retention_reference past the LLM input without prefill, prepool without connect,
+# an unknown positions policy, no stage hook at all and an unknown conformance exemption; these are the others.
 @pytest.mark.parametrize(
-    "cls, stages, info, message",
+    "base, attributes, message",
     [
-        (
-            Keep,
-            ("connect",),
-            {"fixed_count": True},
-            r"declares fixed_count=True but its plugin has no retained_count\(\)",
-        ),
-        (
-            Keep,
-            ("connect",),
-            {"vision_stats": True},
-            r"declares vision_stats=True but its plugin has no vision_stats\(\)",
-        ),
-        (
-            KeepWithCount,
-            ("connect",),
-            {},
-            r"defines retained_count\(\) but its MethodInfo does not declare fixed_count",
-        ),
-        (KeepWithStats, ("connect",), {}, r"defines vision_stats\(\) but its MethodInfo does not declare vision_stats"),
-        (
-            KeepWithPrepoolAttribute,
-            ("connect",),
-            {},
-            r"attribute 'needs_prepool' is not read any more; declare MethodInfo\(prepool=True\)",
-        ),
-        (
-            PrefillWithDecodeAttribute,
-            ("prefill",),
-            {},
-            r"attribute 'acts_during_decode' is not read any more; declare MethodInfo\(acts_during_decode=True\)",
-        ),
-        (Keep, ("connect", "prefill"), {}, r"declares the prefill stage but its plugin has no vtc_prefill hook"),
+        (Prefill, {"vision_stats": KeepWithStats.vision_stats}, "vision_stats feed a connect hook, but the class has"),
+        (Prefill, {"whole_frames": True}, "whole_frames describes a connect hook, but the class has none"),
+        (Prefill, {"streams": True}, "streams describes a connect hook, but the class has none"),
+        (Keep, {"stream_only": True}, r"stream_only methods are streaming memories: override stream_memory\(\)"),
+        (Keep, {"retention_reference": "tokens"}, "retention_reference must be one of llm_input, last_layer"),
     ],
 )
-def test_plugin_object_must_match_its_declaration(cls, stages, info, message, monkeypatch):
-    methods = one_method("t_decl", cls, stages=stages, **info)
-    with pytest.raises(TypeError, match=rf"method 't_decl'.*{message}"):
-        Pipeline("t_decl", methods=methods, family="qwen2_vl")
-    # the same through vtc.patch: refused before a hook is installed, the model runs unchanged
+def test_a_class_contradicting_its_hooks_is_refused_when_defined(base, attributes, message):
+    with pytest.raises(TypeError, match=rf"method 't_decl' \(Decl\): {message}"):
+        vtc.method("t_decl", paper="test")(type("Decl", (base,), attributes))
+
+
+def test_patch_refuses_a_method_without_its_own_card():
+    """A subclass of a method that is not decorated itself would run under its parent's card (name, flags,
+    parameters); vtc.patch refuses it before a hook is installed, and the model runs unchanged."""
     model, _ = model_and_processor("qwen2_vl")
     inputs = single_inputs("qwen2_vl")
     ref = logits(model, inputs)
-    monkeypatch.setitem(registry()._methods, "t_decl", methods["t_decl"])
-    with pytest.raises(TypeError, match=message):
-        vtc.patch(model, "t_decl")
+    text = vtc.api.resolve_adapter(model).text_model
+    hooks = len(text._forward_pre_hooks)
+
+    class Undecorated(KeepWithCount):
+        pass
+
+    with pytest.raises(TypeError, match="Undecorated is not decorated with @vtc.method, so vtc has no card for it"):
+        vtc.patch(model, Undecorated())
+    with pytest.raises(TypeError, match="a spec holds method names and method instances, got type"):
+        vtc.patch(model, [Keep])  # the class, not an instance
+    assert len(text._forward_pre_hooks) == hooks and model not in PATCHED_MODELS
     assert torch.equal(logits(model, inputs), ref)
 
 
-def test_matching_declarations_are_accepted():
-    for cls, info in ((KeepWithCount, {"fixed_count": True}), (KeepWithStats, {"vision_stats": True})):
-        pipeline = Pipeline(
-            "t_ok", 0.5, methods=one_method("t_ok", cls, stages=("connect",), **info), family="qwen2_vl"
-        )
-        assert pipeline.names() == ["t_ok"]
-    prefill = one_method("t_dec", PrefillWithDecodeAttribute, stages=("prefill",), acts_during_decode=True)
-    with pytest.raises(TypeError, match="acts_during_decode"):  # declared, but the old attribute is still set
-        Pipeline("t_dec", methods=prefill)
+def test_capabilities_follow_the_overrides_into_the_pipeline():
+    """The capabilities vtc derives from a class are the ones the pipeline acts on."""
+    plain = Pipeline("t_keep", 0.5, methods=one_method(Keep), family="qwen2_vl")
+    assert Keep.card.stages == ("connect",) and not Keep.card.fixed_count and not Keep.card.vision_stats
+    assert plain.retained_count((4, 12, 12)) is None and plain.vision_stats("qwen2_vl") == set()
+    assert not plain.needs_prepool and not plain.acts_during_decode
+
+    counted = renamed(KeepWithCount, "t_count")
+    assert counted.card.fixed_count and counted.card.fixed_count_mode == "always"
+    assert Pipeline("t_count", 0.5, methods=one_method(counted), family="qwen2_vl").retained_count((4, 12, 12)) == 576
+
+    stats = renamed(KeepWithStats, "t_stats")
+    assert stats.card.vision_stats and not stats.card.fixed_count
+    pipeline = Pipeline("t_stats", 0.5, methods=one_method(stats), family="qwen2_vl")
+    assert pipeline.vision_stats("qwen2_vl") == {VisionStat("received", -1)}
+
+    prepool = renamed(Keep, "t_prepool", prepool=True)
+    assert prepool.card.prepool and Pipeline("t_prepool", methods=one_method(prepool)).needs_prepool
+
+    decode = renamed(Prefill, "t_decode", during_decode=True)
+    assert decode.card.stages == ("prefill",) and decode.card.acts_in_llm and decode.card.during_decode
+    assert Pipeline("t_decode", methods=one_method(decode)).acts_during_decode
+    assert not Pipeline("t_prefill", methods=one_method(renamed(Prefill, "t_prefill"))).acts_during_decode
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "llava_onevision"])
 def test_vision_statistics_at_a_missing_layer_are_refused(family, monkeypatch):
+    @vtc.method("t_far", paper="test")
     class FarLayer(Keep):
+        reduces_tokens = False
+
         def vision_stats(self, fam):
             return [VisionStat("received", 9)]
 
-    methods = one_method("t_far", FarLayer, stages=("connect",), vision_stats=True, reduces_tokens=False)
-    monkeypatch.setitem(registry()._methods, "t_far", methods["t_far"])
+    monkeypatch.setitem(registry()._methods, "t_far", FarLayer)
     model, _ = model_and_processor(family)
     inputs = single_inputs(family)
     ref = logits(model, inputs)
@@ -416,27 +466,32 @@ def test_vision_statistics_at_a_missing_layer_are_refused(family, monkeypatch):
     ):
         vtc.patch(model, "t_far")
     assert torch.equal(logits(model, inputs), ref)
+    # the refused patch left no mark: the model is not "already patched"
+    assert model not in PATCHED_MODELS
+    with vtc.patch(model, "random", retention=0.5):
+        pass
 
 
 # --- checked on every forward ----------------------------------------------------------------------------------
 
 
-def patched_with(monkeypatch, model, name, cls, params=NoParams, **info):
-    monkeypatch.setitem(registry()._methods, name, one_method(name, cls, params, **info)[name])
-    return vtc.patch(model, name)
+def patched_with(monkeypatch, model, cls, **params):
+    """`vtc.patch(model, name, **params)` with the method class `cls` in the global registry for this test."""
+    monkeypatch.setitem(registry()._methods, cls.card.name, cls)
+    return vtc.patch(model, cls.card.name, **params)
 
 
 def test_connect_output_needs_a_token(monkeypatch):
-    class Empty(Keep):
-        @hookimpl
-        def vtc_connect(self, tokens, ctx):
+    @vtc.method("t_empty", paper="test")
+    class Empty(vtc.Method):
+        def connect(self, tokens, ctx):
             return tokens.select(torch.zeros(0, dtype=torch.long))
 
     model, _ = model_and_processor("qwen2_vl")
     inputs = single_inputs("qwen2_vl")
-    with patched_with(monkeypatch, model, "t_empty", Empty, stages=("connect",)):
+    with patched_with(monkeypatch, model, Empty):
         with pytest.raises(
-            RuntimeError, match=r"plugin 't_empty' returned no tokens for a video of 576: keep at least one"
+            RuntimeError, match=r"method 't_empty' returned no tokens for a video of 576: keep at least one"
         ):
             logits(model, inputs)
 
@@ -444,52 +499,46 @@ def test_connect_output_needs_a_token(monkeypatch):
 def test_connect_output_repeats_need_allow_repeats(monkeypatch):
     seen = {}
 
-    class Repeat(Keep):
-        @hookimpl
-        def vtc_connect(self, tokens, ctx):
+    @vtc.method("t_repeat", paper="test")
+    class Repeat(vtc.Method):
+        keep: int = 0
+
+        def connect(self, tokens, ctx):
             index = torch.tensor([0, 0, 1, 2])
-            if self.params.keep:
+            if self.keep:
                 out = tokens.select(index, allow_repeats=True)
                 seen["positions"] = out.positions
                 return out
             return tokens.select(index)
 
-    @dataclasses.dataclass
-    class RepeatParams:
-        keep: int = 0
-
     model, _ = model_and_processor("qwen2_vl")
     inputs = single_inputs("qwen2_vl")
-    with patched_with(monkeypatch, model, "t_repeat", Repeat, RepeatParams, stages=("connect",)):
+    with patched_with(monkeypatch, model, Repeat):
         with pytest.raises(ValueError, match=r"select: a token index appears twice \(pass allow_repeats=True"):
             logits(model, inputs)
-    monkeypatch.setitem(
-        registry()._methods, "t_repeat", one_method("t_repeat", Repeat, RepeatParams, stages=("connect",))["t_repeat"]
-    )
-    with vtc.patch(model, "t_repeat", keep=1) as handle:
+    with patched_with(monkeypatch, model, Repeat, keep=1) as handle:
         logits(model, inputs)
         assert handle.stats().llm_tokens_in == handle.stats().visual_tokens_out == 4
     assert torch.equal(seen["positions"][..., 0], seen["positions"][..., 1])  # the repeated token, twice
 
 
 def test_connect_output_must_keep_its_promise(monkeypatch):
-    class Liar:
-        def __init__(self, params):
-            self.params = params
+    @vtc.method("t_liar", paper="test")
+    class Liar(vtc.Method):
+        keep: int = 10
 
         def retained_count(self, num_tokens, grid, family):
-            return self.params.keep
+            return self.keep
 
-        @hookimpl
-        def vtc_connect(self, tokens, ctx):
-            return tokens.select(torch.arange(self.params.keep + 1))
+        def connect(self, tokens, ctx):
+            return tokens.select(torch.arange(self.keep + 1))
 
     model, _ = model_and_processor("qwen2_vl")
     inputs = single_inputs("qwen2_vl")
-    with patched_with(monkeypatch, model, "t_liar", Liar, CountParams, stages=("connect",), fixed_count=True):
+    with patched_with(monkeypatch, model, Liar):
         with pytest.raises(
             RuntimeError,
-            match=r"plugin 't_liar' promised 10 tokens \(retained_count\(576, \(4, 12, 12\), 'qwen2_vl'\)\) "
+            match=r"method 't_liar' promised 10 tokens \(retained_count\(576, \(4, 12, 12\), 'qwen2_vl'\)\) "
             r"but returned 11",
         ):
             logits(model, inputs)
@@ -498,26 +547,25 @@ def test_connect_output_must_keep_its_promise(monkeypatch):
 def test_last_layer_count_must_keep_the_promise(monkeypatch):
     """A method acting in the LLM promises the count at the last layer; the prefill end checks it."""
 
-    class Drop:
-        def __init__(self, params):
-            self.params = params
+    @vtc.method("t_drop", paper="test")
+    class Drop(vtc.Method):
+        keep: int = 10
+        retention_reference = "last_layer"
 
         def retained_count(self, num_tokens, grid, family):
-            return num_tokens - self.params.keep
+            return num_tokens - self.keep
 
-        @hookimpl
-        def vtc_prefill(self, state, ctx):
-            if state.point == "layer_start" and state.layer == 2:
-                layout = state.layout
+        def prefill(self, llm, ctx):
+            if llm.point == "layer_start" and llm.layer == 2:
+                layout = llm.layout
                 keep = layout.valid.clone()
                 visual = torch.nonzero(layout.visual[0] & layout.valid[0]).flatten()
-                keep[0, visual[: self.params.keep - 1]] = False  # one token short of the promise
-                state.keep(keep)
+                keep[0, visual[: self.keep - 1]] = False  # one token short of the promise
+                llm.keep(keep)
 
     model, _ = model_and_processor("qwen2_vl")
     inputs = single_inputs("qwen2_vl")
-    info = dict(stages=("prefill",), fixed_count=True, retention_reference="last_layer")
-    with patched_with(monkeypatch, model, "t_drop", Drop, CountParams, **info) as handle:
+    with patched_with(monkeypatch, model, Drop) as handle:
         assert handle.retained_count((4, 12, 12)) == 566
         with pytest.raises(
             RuntimeError,
@@ -597,21 +645,38 @@ def test_methods_listing():
 
 
 def test_method_not_supporting_family(monkeypatch):
-    import dataclasses
+    """A method's families are those offering what it `requires`; vtc.patch refuses the others, naming what is
+    missing and where the method runs, before a hook is installed."""
+    from vtc.core.families import family_names, get_family
 
-    from vtc.core.registry import registry
-
-    info = registry()["random"]
-    monkeypatch.setitem(registry()._methods, "random", dataclasses.replace(info, families=("qwen2_vl",)))
+    qwen_only = renamed(registry()["random"], "random", requires=frozenset({"mrope"}))
+    monkeypatch.setitem(registry()._methods, "random", qwen_only)
+    supported = qwen_only.card.families
+    assert supported == tuple(f for f in family_names() if "mrope" in get_family(f).features)
+    assert "qwen2_vl" in supported and "llava_onevision" not in supported
     model, _ = model_and_processor("llava_onevision")
-    with pytest.raises(ValueError, match=r"method 'random' does not support llava_onevision; it supports qwen2_vl"):
+    with pytest.raises(
+        ValueError,
+        match=rf"method 'random' does not support llava_onevision: it needs mrope, which llava_onevision does not "
+        rf"offer; it supports {', '.join(supported)}$",
+    ):
         vtc.patch(model, "random")
+    assert model not in PATCHED_MODELS
+    qwen, _ = model_and_processor("qwen2_vl")
+    with vtc.patch(qwen, "random", retention=0.5) as handle:  # a family offering it: accepted
+        assert handle.pipeline.entries[0].card.cls is qwen_only
 
 
 def test_third_party_plugin_from_entry_point(tmp_path, monkeypatch):
-    """A package exposing a module in the `vtc` entry-point group shows up in the registry."""
+    """A package exposing a module in the `vtc` entry-point group shows up in the registry; an entry point naming a
+    class (`module:Class`) adds that class only."""
     fake_distribution(
         tmp_path, "vtc_thirdparty_demo", "vtc-thirdparty-demo", "thirdparty", keep_plugin_source("thirdparty")
+    )
+    two = keep_plugin_source("classplugin") + keep_plugin_source("notexported").replace("class Keep", "class Other")
+    fake_distribution(tmp_path, "vtc_class_demo", "vtc-class-demo", "classplugin", two)
+    (tmp_path / "vtc_class_demo-0.1.dist-info" / "entry_points.txt").write_text(
+        "[vtc]\nclassplugin = vtc_class_demo:Keep\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delenv("VTC_DISABLE_PLUGIN_AUTOLOAD", raising=False)
@@ -621,6 +686,8 @@ def test_third_party_plugin_from_entry_point(tmp_path, monkeypatch):
     try:
         names = registry().names()
         assert "thirdparty" in names and "fastv" in names
+        assert "classplugin" in names and "notexported" not in names
+        assert registry()["classplugin"].__module__ == "vtc_class_demo"
         model, _ = model_and_processor("qwen2_vl")
         with vtc.patch(model, "thirdparty") as handle:
             logits(model, single_inputs("qwen2_vl"))
@@ -631,15 +698,16 @@ def test_third_party_plugin_from_entry_point(tmp_path, monkeypatch):
 
 
 def test_broken_third_party_plugins_are_skipped_with_a_warning(tmp_path, monkeypatch):
-    """A plugin package that fails to import, fails to register, or registers nothing is skipped with a
-    RuntimeWarning naming it; the built-in methods and a working third-party plugin keep working."""
+    """A plugin package that fails to import (a missing dependency, or raising after defining a method), clashes
+    with a known method name, or defines no method is skipped with a RuntimeWarning naming it; the built-in methods
+    and a working third-party plugin keep working."""
     good = keep_plugin_source("goodplugin")
     fake_distribution(tmp_path, "vtc_good_demo", "vtc-good-demo", "goodplugin", good)
     fake_distribution(
         tmp_path, "vtc_noimport_demo", "vtc-noimport-demo", "noimport", "import vtc_missing_dependency_xyz\n"
     )
-    # adds a method, then raises: all or nothing, so the half-registered method must not stay
-    halfway = keep_plugin_source("halfway") + "    raise RuntimeError('boom')\n"
+    # defines a method, then raises: nothing of the module is registered
+    halfway = keep_plugin_source("halfway") + "raise RuntimeError('boom')\n"
     fake_distribution(tmp_path, "vtc_raising_demo", "vtc-raising-demo", "raising", halfway)
     # a name a built-in method already has
     fake_distribution(tmp_path, "vtc_duplicate_demo", "vtc-duplicate-demo", "duplicate", keep_plugin_source("fastv"))
@@ -655,7 +723,7 @@ def test_broken_third_party_plugins_are_skipped_with_a_warning(tmp_path, monkeyp
             names = {info.name for info in vtc.methods()}
         messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
         assert "goodplugin" in names and {"fastv", "random", "uniform", "framefusion"} <= names
-        assert "halfway" not in names  # the plugin that raised after adding it left no trace
+        assert "halfway" not in names  # the module that raised after defining it left no trace
 
         def one(*parts):
             found = [m for m in messages if all(p in m for p in parts)]
@@ -663,33 +731,30 @@ def test_broken_third_party_plugins_are_skipped_with_a_warning(tmp_path, monkeyp
             return found[0]
 
         one(
-            "vtc plugin 'noimport'",
-            "package 'vtc-noimport-demo'",
-            "failed to import and is skipped",
+            "vtc plugin 'noimport' (package 'vtc-noimport-demo', vtc_noimport_demo)",
+            "failed to load and is skipped",
             "ModuleNotFoundError",
             "vtc_missing_dependency_xyz",
         )
         one(
-            "vtc plugin 'vtc-raising-demo:raising'",
-            "package 'vtc-raising-demo'",
-            "failed to register and is skipped",
+            "vtc plugin 'raising' (package 'vtc-raising-demo', vtc_raising_demo)",
+            "failed to load and is skipped",
             "RuntimeError: boom",
         )
         one(
-            "vtc plugin 'vtc-duplicate-demo:duplicate'",
-            "failed to register and is skipped",
-            "method(s) fastv are already registered",
+            "vtc plugin 'duplicate' (package 'vtc-duplicate-demo', vtc_duplicate_demo)",
+            "failed to load and is skipped",
+            "ValueError: method(s) fastv are already registered",
         )
         one(
-            "vtc plugin 'vtc-empty-demo:empty'",
-            "package 'vtc-empty-demo'",
-            "registered no method",
-            "vtc_register_methods(registry)",
+            "vtc plugin 'empty' (package 'vtc-empty-demo', vtc_empty_demo)",
+            "defines no method",
+            "the entry point must name a module defining (or a class that is) a class decorated with @vtc.method",
         )
         assert not any("goodplugin" in m or "vtc-good-demo" in m for m in messages)
         assert len(messages) == 4
         # the built-in fastv is the registered one, not the duplicate
-        assert vtc.registry()["fastv"].factory.__module__ == "vtc_plugins.fastv"
+        assert vtc.registry()["fastv"].__module__ == "vtc_plugins.fastv"
         model, _ = model_and_processor("qwen2_vl")
         inputs = single_inputs("qwen2_vl")
         with vtc.patch(model, "goodplugin+fastv", retention=0.5) as handle:

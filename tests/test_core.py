@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import vtc
 from vtc.core.geometry import DEFAULT_GEOMETRY, FamilyGeometry, default_geometry
 from vtc.core.pipeline import Pipeline, validate_grid
-from vtc.core.registry import MethodInfo, Registry
+from vtc.core.registry import Registry
 from vtc.core.stats import StatsRecorder
 from vtc.core.tokens import Context, VideoTokens, dense_mix, frame_groups
 
@@ -104,66 +104,53 @@ def test_context_report_collects_values():
 # --- pipeline ------------------------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass
-class NoParams:
-    pass
+@vtc.method("a", paper="test")
+class Keeper(vtc.Method):
+    """Keeps its share of the tokens it gets (a fixed-count connect method), counting its calls in its state."""
 
-
-class Keeper:
-    """Keeps `ratio` of the tokens it gets (a fixed-count connect plugin), remembering its calls."""
-
-    def __init__(self, params, retention):
-        self.ratio = retention if retention is not None else 0.5
-        self.calls = []
+    def fraction(self):
+        return self.retention if self.retention is not None else 0.5
 
     def retained_count(self, num_tokens, grid, family):
-        return max(1, round(num_tokens * self.ratio))
+        return max(1, round(num_tokens * self.fraction()))
 
-    @vtc.hookimpl
-    def vtc_connect(self, tokens, ctx):
-        self.calls.append(len(tokens))
-        ctx.store["seen"] = ctx.store.get("seen", 0) + 1
-        ctx.report(calls=ctx.store["seen"])
-        return tokens.select(torch.arange(max(1, round(len(tokens) * self.ratio))))
+    def connect(self, tokens, ctx):
+        ctx.state.setdefault("calls", []).append(len(tokens))
+        ctx.report(calls=len(ctx.state["calls"]))
+        return tokens.select(torch.arange(max(1, round(len(tokens) * self.fraction()))))
 
 
-class Sampler:
-    def __init__(self, params, retention):
-        pass
+def renamed(cls, name, **attributes):
+    """`cls` again, as a method named `name` (class attributes overridden)."""
+    return vtc.method(name, paper="test")(type(cls.__name__ + name.upper(), (cls,), attributes))
 
-    @vtc.hookimpl
-    def vtc_sample(self, video, ctx):
+
+@vtc.method("s", paper="test")
+class Sampler(vtc.FrameSampler):
+    def sample(self, video, ctx):
         return [0]
 
-    @vtc.hookimpl
-    def vtc_connect(self, tokens, ctx):
+    def connect(self, tokens, ctx):
         return tokens
 
 
-def methods(*infos: MethodInfo) -> Registry:
+def methods(*classes) -> Registry:
     reg = Registry()
-    for info in infos:
-        reg.add(info)
+    for cls in classes:
+        reg.add(cls)
     return reg
 
 
-def info(name: str, factory=Keeper, **kw) -> MethodInfo:
-    defaults = dict(params=NoParams, stages=("connect",), paper="test", fixed_count=True)
-    return MethodInfo(name=name, factory=factory, **{**defaults, **kw})
-
-
-def test_plugins_run_by_earliest_stage_then_spec_order():
-    reg = methods(
-        info("a"), info("b"), info("s", Sampler, stages=("sample", "connect"), reduces_tokens=False, fixed_count=False)
-    )
+def test_methods_run_by_earliest_stage_then_spec_order():
+    reg = methods(Keeper, renamed(Keeper, "b"), Sampler)
     assert Pipeline("a+b", methods=reg).names() == ["a", "b"]
     assert Pipeline("b+a", methods=reg).names() == ["b", "a"]
     # s acts at the sample stage, so its connect hook also runs first, whatever the spec says
-    assert [e.info.name for e in Pipeline("a+s+b", methods=reg).stage_entries("connect")] == ["s", "a", "b"]
+    assert [e.card.name for e in Pipeline("a+s+b", methods=reg).stage_entries("connect")] == ["s", "a", "b"]
 
 
-def test_retention_split_chained_counts_and_checks():
-    reg = methods(info("a"), info("b"))
+def test_retention_split_chained_counts_and_state():
+    reg = methods(Keeper, renamed(Keeper, "b"))
     pipe = Pipeline("a+b", 0.25, methods=reg, family="qwen2_vl")
     assert [e.retention for e in pipe.entries] == [0.5, 0.5]
     assert pipe.retained_count((4, 12, 12)) == 144  # 576 -> 288 -> 144
@@ -173,20 +160,42 @@ def test_retention_split_chained_counts_and_checks():
     ctx = Context(family="qwen2_vl")
     pipe.begin_prompt()
     out = pipe.run_connect(tokens, ctx, recorder)
-    out = pipe.run_connect(tokens, ctx, recorder)  # a second video of the same prompt: same store
+    out = pipe.run_connect(tokens, ctx, recorder)  # a second video of the same prompt: same state
     recorder.end()
-    assert len(out) == 144 and [e.plugin.calls for e in pipe.entries] == [[576, 576], [288, 288]]
+    assert len(out) == 144 and [pipe._stores[n]["calls"] for n in "ab"] == [[576, 576], [288, 288]]
     assert recorder.last.reports == {"a": {"calls": [1, 2]}, "b": {"calls": [1, 2]}}
     assert [(r.plugin, r.tokens_in, r.tokens_out) for r in recorder.last.stages][:2] == [
         ("a", 576, 288),
         ("b", 288, 144),
     ]
+    assert ctx.state == {} and ctx.reports == {}  # the caller's context is untouched: each hook got its own view
     pipe.begin_prompt()
     assert all(store == {} for store in pipe._stores.values())
 
 
+def test_instances_compose_and_are_never_changed():
+    from vtc_plugins.divprune import DivPrune
+    from vtc_plugins.fastv import FastV
+
+    divprune, fastv = DivPrune(ratio=0.1), FastV(k=3)
+    pipe = Pipeline(divprune + fastv, 0.25, family="qwen2_vl")
+    assert pipe.names() == ["divprune", "fastv"] and pipe.spec == "divprune+fastv"
+    assert pipe.entries[0].method.ratio == 0.1 and pipe.entries[1].method.k == 3
+    assert pipe.entries[1].retention == 0.5 and fastv.retention is None  # the pipeline binds a copy
+    assert pipe.retained_count((4, 10, 10)) == Pipeline(
+        "divprune+fastv", 0.25, {"divprune.ratio": 0.1, "fastv.k": 3}, family="qwen2_vl"
+    ).retained_count((4, 10, 10))
+    mixed = Pipeline([DivPrune(ratio=0.1), "fastv"], 0.25, {"fastv.k": 1})  # names and instances, params routed
+    assert mixed.entries[1].method.k == 1
+    assert Pipeline(FastV(k=3), params={"k": 1}).entries[0].method.k == 1 and fastv.k == 3
+    with pytest.raises(ValueError, match="appear twice"):
+        Pipeline([FastV(), "fastv"])
+    with pytest.raises(TypeError, match="method names and method instances"):
+        Pipeline([3])
+
+
 def test_retained_count_needs_a_family_and_a_valid_grid():
-    reg = methods(info("a"))
+    reg = methods(Keeper)
     pipe = Pipeline("a", 0.5, methods=reg)
     with pytest.raises(ValueError, match="depends on the model family"):
         pipe.retained_count((4, 12, 12))
@@ -194,10 +203,12 @@ def test_retained_count_needs_a_family_and_a_valid_grid():
     for grid in [(0, 4, 4), (4, 12), (4, 12, 1.5), "abc", (True, 2, 2)]:
         with pytest.raises(ValueError, match="token grid is"):
             validate_grid(grid)
-    with pytest.raises(ValueError, match="unknown family"):
+    with pytest.raises(ValueError, match="unknown model family 'gpt4'; known families: .*qwen2_vl"):
         Pipeline("a", methods=reg, family="gpt4")
-    with pytest.raises(ValueError, match="does not support llava_onevision"):
-        Pipeline("a", methods=methods(info("a", families=("qwen2_vl",))), family="llava_onevision")
+    needy = renamed(Keeper, "n", requires=frozenset({"teleportation"}))
+    assert needy.card.families == ()
+    with pytest.raises(ValueError, match="does not support llava_onevision: it needs teleportation"):
+        Pipeline("n", methods=methods(needy), family="llava_onevision")
 
 
 def test_a_broken_promise_is_caught():
@@ -205,51 +216,94 @@ def test_a_broken_promise_is_caught():
         def retained_count(self, num_tokens, grid, family):
             return 10
 
-    pipe = Pipeline("l", 0.5, methods=methods(info("l", Liar)), family="qwen2_vl")
+    pipe = Pipeline("l", 0.5, methods=methods(renamed(Liar, "l")), family="qwen2_vl")
     with pytest.raises(RuntimeError, match=r"'l' promised 10 tokens .* but returned 4"):
         pipe.run_connect(VideoTokens.from_grid(torch.zeros(8, 2), (2, 2, 2)), Context(family="qwen2_vl"), None)
 
     class Empty(Keeper):
-        @vtc.hookimpl
-        def vtc_connect(self, tokens, ctx):
+        def connect(self, tokens, ctx):
             return tokens.select(torch.zeros(0, dtype=torch.long))
 
-    pipe = Pipeline("e", 0.5, methods=methods(info("e", Empty)), family="qwen2_vl")
+    pipe = Pipeline("e", 0.5, methods=methods(renamed(Empty, "e")), family="qwen2_vl")
     with pytest.raises(RuntimeError, match="returned no tokens"):
         pipe.run_connect(VideoTokens.from_grid(torch.zeros(8, 2), (2, 2, 2)), Context(family="qwen2_vl"), None)
 
 
-def test_declared_capabilities_must_match_the_plugin():
-    class NoCount:
-        def __init__(self, params, retention):
-            pass
-
-        @vtc.hookimpl
-        def vtc_connect(self, tokens, ctx):
+def test_capabilities_are_derived_from_the_class():
+    class Plain(vtc.Method):
+        def connect(self, tokens, ctx):
             return tokens
 
-    with pytest.raises(TypeError, match="declares fixed_count=True but its plugin has no retained_count"):
-        Pipeline("x", methods=methods(info("x", NoCount)))
-    with pytest.raises(TypeError, match="defines retained_count.* does not declare fixed_count"):
-        Pipeline("x", methods=methods(info("x", Keeper, fixed_count=False)))
+    plain = vtc.method("p", paper="test")(Plain)
+    assert plain.card.stages == ("connect",) and plain.card.fixed_count_mode == "no"
+    assert not plain.card.vision_stats and not plain.card.stream_memory
+    assert Keeper.card.fixed_count_mode == "always"  # overriding retained_count is the fixed count
 
-    class Legacy(NoCount):
-        needs_prepool = True
+    @dataclasses.dataclass
+    class Switch(Keeper):
+        fixed_count: bool = False
 
-    with pytest.raises(TypeError, match=r"'needs_prepool' is not read any more; declare MethodInfo\(prepool=True\)"):
-        Pipeline("x", methods=methods(info("x", Legacy, fixed_count=False)))
-    with pytest.raises(TypeError, match="declares the prefill stage but its plugin has no vtc_prefill"):
-        Pipeline("x", methods=methods(info("x", NoCount, fixed_count=False, stages=("connect", "prefill"))))
-    with pytest.raises(ValueError, match="acts_during_decode needs the prefill stage"):
-        info("x", acts_during_decode=True)
-    with pytest.raises(ValueError, match="unknown conformance check"):
-        info("x", conformance_exemptions={"speed": "slow"})
-    with pytest.raises(ValueError, match="only methods acting in the LLM"):
-        info("x", retention_reference="last_layer")
+    assert renamed(Switch, "w").card.fixed_count_mode == "optional"
+
+    class InLLM(Plain):
+        def prefill(self, llm, ctx):
+            pass
+
+    assert renamed(InLLM, "l").card.stages == ("connect", "prefill")
+    for attributes, message in [
+        ({"during_decode": True}, "during_decode needs a prefill hook"),
+        ({"retention_reference": "last_layer"}, "only methods acting in the LLM"),
+        ({"prepool": True, "connect": None}, "prepool describes a connect hook"),
+        ({"positions": "shuffle"}, "positions must be 'keep' or 'compact'"),
+    ]:
+        attributes = {k: v for k, v in attributes.items() if v is not None}
+        body = dict(attributes)
+        base = vtc.Method if "prepool" in attributes else Plain
+        if base is vtc.Method:
+            body["prefill"] = lambda self, llm, ctx: None
+        with pytest.raises(TypeError, match=message):
+            vtc.method("x", paper="test")(type("X", (base,), body))
+    with pytest.raises(TypeError, match="overrides no stage hook"):
+        vtc.method("x", paper="test")(type("X", (vtc.Method,), {}))
+    with pytest.raises(TypeError, match="unknown conformance check"):
+        vtc.method("x", paper="test", exempt={"speed": "slow"})(type("X", (Plain,), {}))
+    with pytest.raises(TypeError, match="subclasses vtc.Method"):
+        vtc.method("x", paper="test")(type("X", (), {}))
+
+
+def test_parameters_are_validated_from_their_declaration():
+    @vtc.method("v", paper="test")
+    class Validated(vtc.Method):
+        ratio: float | None = vtc.param(None, range="(0, 1]")
+        k: int = vtc.param(2, range="[1, inf)")
+        mode: str = vtc.param("a", choices=("a", "b"))
+        dtype: vtc.DType | None = None
+        flag: bool = False
+
+        def connect(self, tokens, ctx):
+            return tokens
+
+    assert Validated(ratio=1).ratio == 1.0 and isinstance(Validated(ratio=1).ratio, float)
+    for kwargs, message in [
+        ({"ratio": 0}, r"v: ratio must be in \(0, 1\], got 0"),
+        ({"ratio": "0.5"}, "v: ratio must be float or None, got '0.5'"),
+        ({"k": 0}, r"v: k must be in \[1, inf\)"),
+        ({"k": 1.5}, "v: k must be int, got 1.5"),
+        ({"k": True}, "v: k must be int, got True"),
+        ({"mode": "c"}, "v: mode must be one of 'a', 'b', got 'c'"),
+        ({"dtype": "int8"}, "v: dtype must be one of 'float32', 'float16', 'bfloat16', 'float64' or None"),
+        ({"flag": 1}, "v: flag must be bool, got 1"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            Validated(**kwargs)
+    with pytest.raises(ValueError, match="method 'v' has no parameter 'q'; its parameters: dtype, flag, k, mode"):
+        Pipeline(Validated(), params={"v.q": 1}, methods=methods(Validated))
+    with pytest.raises(ValueError, match=r"v: k must be in \[1, inf\)"):  # routed values are validated too
+        Pipeline(Validated(), params={"k": 0}, methods=methods(Validated))
 
 
 def test_whole_frame_methods_must_run_first_among_connect_methods():
-    reg = methods(info("a"), info("w", needs_whole_frames=True))
+    reg = methods(Keeper, renamed(Keeper, "w", whole_frames=True))
     assert Pipeline("w+a", methods=reg).names() == ["w", "a"]
     with pytest.raises(ValueError, match="w needs whole frames .* put w first .* e.g. 'w\\+a'"):
         Pipeline("a+w", methods=reg)
@@ -260,22 +314,23 @@ def test_counts_after_a_method_acting_in_the_llm_are_not_promised():
     no promise, rather than a wrong one."""
 
     class InLLM(Keeper):
-        @vtc.hookimpl
-        def vtc_prefill(self, state, ctx):
+        retention_reference = "last_layer"
+
+        def prefill(self, llm, ctx):
             pass
 
-    reg = methods(info("a"), info("m", InLLM, stages=("connect", "prefill"), retention_reference="last_layer"))
+    reg = methods(Keeper, renamed(InLLM, "m"))
     assert Pipeline("a+m", 0.25, methods=reg, family="qwen2_vl").retained_count((2, 2, 2)) == 2
     assert Pipeline("m+a", 0.25, methods=reg, family="qwen2_vl").retained_count((2, 2, 2)) is None
 
 
 def test_capabilities_listing_covers_every_field():
-    caps = vtc.registry()["holitom"].capabilities()
+    caps = vtc.registry()["holitom"].card.capabilities()
     assert caps["stages"] == ["connect", "prefill"] and caps["fixed_count"] == "optional"
     assert caps["needs_whole_frames"] and caps["vision_stats"] and caps["acts_in_llm"]
     assert caps["parameters"]["k"] == 18 and caps["fixed_count_counts"] == "last_layer"
-    assert vtc.registry()["random"].capabilities()["fixed_count"] == "always"
-    assert vtc.registry()["framefusion"].capabilities()["retention_reference"] == "layer_mean"
+    assert vtc.registry()["random"].card.capabilities()["fixed_count"] == "always"
+    assert vtc.registry()["framefusion"].card.capabilities()["retention_reference"] == "layer_mean"
 
 
 # --- geometry ------------------------------------------------------------------------------------------------------
@@ -297,7 +352,7 @@ def test_geometry_maps_tower_values_like_the_models_pooling():
     qwen = torch.rand(2, 36)
     assert default_geometry("qwen2_vl").to_token_grid(qwen, (6, 6)) is qwen
     assert ov.token_grid_size() == (14, 14) and nv.token_grid_size() == (12, 12)
-    assert set(DEFAULT_GEOMETRY) == set(vtc.core.registry.ALL_FAMILIES)
+    assert set(DEFAULT_GEOMETRY) == set(vtc.core.families.family_names())
     with pytest.raises(ValueError, match="expected 1 \\+ 24x24"):
         nv.to_token_grid(torch.rand(2, 24 * 24), (12, 12))
     with pytest.raises(ValueError, match="pooling must be one of"):

@@ -10,16 +10,11 @@ import torch
 import vtc
 from tests.conftest import grid_tokens, model_and_processor, single_inputs
 from tests.probes import llm_inputs
+from vtc.core.bases import fraction_count as kept_count
 from vtc.core.geometry import default_geometry
 from vtc.core.tokens import Context, VideoTokens
-from vtc_plugins.divprune import (
-    DivPrune,
-    DivPruneParams,
-    cosine_distance_matrix,
-    divprune_keep,
-    kept_count,
-    max_min_select,
-)
+from vtc_kernels.diverse import cosine_distance_matrix, max_min_select
+from vtc_plugins.divprune import DivPrune, divprune_keep
 
 
 def official_reference(x: torch.Tensor, ratio: float) -> list[int]:
@@ -45,17 +40,17 @@ def make_tokens(embeds: torch.Tensor) -> VideoTokens:
 
 
 def test_defaults_and_retention_mapping():
-    assert DivPruneParams().ratio is None and DivPruneParams().compute_dtype is None
-    info = vtc.registry()["divprune"]
-    assert info.stages == ("connect",) and info.position_policy == "compact" and info.fixed_count
+    assert DivPrune().ratio is None and DivPrune().compute_dtype is None
+    info = vtc.registry()["divprune"].card
+    assert info.stages == ("connect",) and info.positions == "compact" and info.fixed_count
     assert info.fixed_count_mode == "always" and not info.query_aware  # no fixed_count switch: always exact
-    assert not info.vision_stats and not info.prepool and not info.needs_whole_frames
+    assert not info.vision_stats and not info.prepool and not info.whole_frames
     assert info.retention_reference == "llm_input"
-    assert DivPrune(DivPruneParams(), None).ratio == 0.098  # SUBSET_RATIO of run_Divprune.sh
-    assert DivPrune(DivPruneParams(), 0.25).ratio == 0.25
-    assert DivPrune(DivPruneParams(ratio=0.1), 0.25).ratio == 0.1  # explicit wins
-    with pytest.raises(ValueError, match="ratio must be in"):
-        DivPruneParams(ratio=1.5)
+    assert DivPrune().bind(None).fraction() == 0.098  # SUBSET_RATIO of run_Divprune.sh
+    assert DivPrune().bind(0.25).fraction() == 0.25
+    assert DivPrune(ratio=0.1).bind(0.25).fraction() == 0.1  # explicit wins
+    with pytest.raises(ValueError, match=r"divprune: ratio must be in \(0, 1\], got 1.5"):
+        DivPrune(ratio=1.5)
 
 
 def test_count_is_round_ratio_times_l():
@@ -64,9 +59,9 @@ def test_count_is_round_ratio_times_l():
     assert kept_count(25, 0.1) == 2  # round(2.5): half to even, as Python's round in the official code
     assert kept_count(35, 0.1) == 4  # round(3.5)
     assert kept_count(3, 0.098) == 1  # never zero
-    assert DivPrune(DivPruneParams(), 0.3).retained_count(1152, (8, 12, 12), "llava_next_video") == 346
-    assert DivPrune(DivPruneParams(), 0.3).retained_count(1152, (8, 12, 12), "qwen2_vl") == 346  # any family
-    assert DivPrune(DivPruneParams(), 0.3).retained_count(0, (8, 12, 12), "qwen2_vl") == 0  # nothing left
+    assert DivPrune().bind(0.3).retained_count(1152, (8, 12, 12), "llava_next_video") == 346
+    assert DivPrune().bind(0.3).retained_count(1152, (8, 12, 12), "qwen2_vl") == 346  # any family
+    assert DivPrune().bind(0.3).retained_count(0, (8, 12, 12), "qwen2_vl") == 0  # nothing left
 
 
 def test_distance_matrix():
@@ -121,15 +116,15 @@ def test_plugin_identity_count_and_dtype():
     g = torch.Generator().manual_seed(9)
     tokens = make_tokens(torch.randn(40, 8, generator=g))
     ctx = Context(family="llava_next_video", geometry=default_geometry("llava_next_video"))
-    assert DivPrune(DivPruneParams(), 1.0).vtc_connect(tokens=tokens, ctx=ctx) is tokens
-    out = DivPrune(DivPruneParams(), 0.25).vtc_connect(tokens=tokens, ctx=ctx)
+    assert DivPrune().bind(1.0).connect(tokens, ctx) is tokens
+    out = DivPrune().bind(0.25).connect(tokens, ctx)
     keep = divprune_keep(tokens.embeds, 10)
     assert len(out) == 10 and torch.equal(out.embeds, tokens.embeds[keep]) and torch.equal(out.positions, keep)
     assert torch.equal(out.frame, keep // 4) and torch.equal(out.patch, keep % 4)  # grid cells follow the tokens
     assert ctx.reports == {}  # DivPrune reports nothing: its count is len(out)
     half = make_tokens(tokens.embeds.bfloat16())
-    assert len(DivPrune(DivPruneParams(), 0.25).vtc_connect(tokens=half, ctx=ctx)) == 10
-    up = DivPrune(DivPruneParams(compute_dtype="float32"), 0.25).vtc_connect(tokens=half, ctx=ctx)
+    assert len(DivPrune().bind(0.25).connect(half, ctx)) == 10
+    up = DivPrune(compute_dtype="float32").bind(0.25).connect(half, ctx)
     assert torch.equal(up.positions, divprune_keep(half.embeds.float(), 10))
 
 

@@ -20,13 +20,12 @@ import vtc
 from tests.conftest import FAMILIES, batch_inputs, grid_tokens, model_and_processor, single_inputs
 from tests.probes import llm_inputs
 from tests.reference import CAPTURED, ManualLLM, compressible_video_mask, start
-from vtc.core.contract import TokenLayout
 from vtc.core.pipeline import Pipeline
-from vtc.core.tokens import Context, VideoTokens
+from vtc.core.tokens import Context, TokenLayout, VideoTokens
 from vtc_plugins.dycoke import (
     DecodeStep,
     DyCoke,
-    DyCokeParams,
+    DyCokeTTM,
     image_span,
     kv_prune,
     merging_ratio_for,
@@ -76,7 +75,7 @@ def two_pairs_with_opposite_profiles() -> torch.Tensor:
 
 def test_each_pair_is_ranked_by_its_own_similarity_by_default():
     # latest official commit (35cc532 "Update ttm code"): `similarities[i // 2]`, pair p by its own similarity
-    assert DyCokeParams().shifted_pairs is False
+    assert DyCoke().shifted_pairs is False
     x = two_pairs_with_opposite_profiles()
     own = ttm_keep(x, k=0.5)
     assert own[1].tolist() == [3, 2]  # ranked by pair (0, 1)
@@ -106,8 +105,8 @@ def test_shifted_pairs_through_the_connect_hook():
     """The parameter reaches the plugin: one 4-frame video on a 2 x 2 grid, k = 0.5 (2 of 4 tokens kept)."""
     x = two_pairs_with_opposite_profiles().float()
     tokens = grid_tokens(x.reshape(-1, 2), (4, 2, 2))
-    own = DyCoke(DyCokeParams(k=0.5), None).vtc_connect(tokens=tokens, ctx=Context())
-    shifted = DyCoke(DyCokeParams(k=0.5, shifted_pairs=True), None).vtc_connect(tokens=tokens, ctx=Context())
+    own = DyCoke(k=0.5).bind(None).connect(tokens, Context())
+    shifted = DyCoke(k=0.5, shifted_pairs=True).bind(None).connect(tokens, Context())
     assert own.patch.tolist() == [0, 1, 2, 3, 3, 2, 0, 1, 2, 3, 0, 1]
     assert shifted.patch.tolist() == [0, 1, 2, 3, 0, 1, 0, 1, 2, 3, 3, 2]
 
@@ -238,32 +237,38 @@ def test_image_span_leaves_out_the_last_token_of_each_video():
 
 
 def test_defaults_and_retention_mapping():
-    params = DyCokeParams()
+    params = DyCoke()
     assert (params.k, params.layer, params.p, params.threshold) == (None, 3, None, 0.9)
     assert not params.shifted_pairs and params.drop_unpaired_frame and params.exclude_last_token
-    plugin = vtc.registry()["dycoke"].factory(params, None)
-    assert (plugin.k, plugin.p) == (0.7, 0.8)  # lmms-eval defaults
+    plugin = vtc.registry()["dycoke"]().bind(None)
+    assert (plugin.ttm_k(), plugin.decode_p()) == (0.7, 0.8)  # lmms-eval defaults
     assert plugin.merging_ratio(32, 196) == 0.7
-    plugin = DyCoke(params, 0.5)
-    assert plugin.k is None and plugin.p == 0.8  # k chosen per video from the retention; P stays official
+    plugin = params.bind(0.5)
+    assert plugin.ttm_k() is None and plugin.decode_p() == 0.8  # k chosen per video from the retention; P official
     k, reachable = merging_ratio_for(0.5, 32, 196)
     assert reachable and plugin.merging_ratio(32, 196) == k
-    plugin = DyCoke(params, 1.0)
-    assert (plugin.k, plugin.p) == (0.0, 0.0)  # retention 1: both stages off
-    plugin = DyCoke(DyCokeParams(k=0.5, p=0.7), 0.25)
-    assert (plugin.k, plugin.p) == (0.5, 0.7)  # explicit parameters win
+    plugin = params.bind(1.0)
+    assert (plugin.ttm_k(), plugin.decode_p()) == (0.0, 0.0)  # retention 1: both stages off
+    plugin = DyCoke(k=0.5, p=0.7).bind(0.25)
+    assert (plugin.ttm_k(), plugin.decode_p()) == (0.5, 0.7)  # explicit parameters win
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # an explicit k is never "below the floor"
         assert plugin.merging_ratio(32, 196) == 0.5
         assert plugin.retained_count(32 * 196, (32, 14, 14), "qwen2_vl") == 9 * 196 + 23 * 98
     # r = 0.5 of 32 x 196: 3136 tokens; 9 full frames (1764) leave 1372 for 23 reduced frames: 60 each (59.65)
-    assert DyCoke(params, 0.5).retained_count(32 * 196, (32, 14, 14), "llava_onevision") == 9 * 196 + 23 * 60
-    assert DyCoke(params, 1.0).retained_count(1000, (32, 14, 14), "qwen2_vl") == 1000
-    assert DyCoke(params, 0.5).retained_count(100, (32, 14, 14), "qwen2_vl") is None  # thinned by another plugin
-    info = vtc.registry()["dycoke"]
-    assert info.stages == ("connect", "prefill") and info.fixed_count and info.query_aware
-    assert info.position_policy == "compact" and info.acts_during_decode
-    assert not hasattr(DyCoke(params, 0.5), "acts_during_decode")  # a MethodInfo field now, not a plugin attribute
+    assert params.bind(0.5).retained_count(32 * 196, (32, 14, 14), "llava_onevision") == 9 * 196 + 23 * 60
+    assert params.bind(1.0).retained_count(1000, (32, 14, 14), "qwen2_vl") == 1000
+    assert params.bind(0.5).retained_count(100, (32, 14, 14), "qwen2_vl") is None  # thinned by another method
+    card = vtc.registry()["dycoke"].card
+    assert card.stages == ("connect", "prefill") and card.fixed_count and card.query_aware
+    assert card.positions == "compact" and card.during_decode
+    assert not hasattr(params.bind(0.5), "acts_during_decode")  # a class attribute (`during_decode`) now
+    # the connect part alone (vLLM): the same parameters and TTM, no LLM stage, not query-aware
+    ttm = vtc.registry()["dycoke-ttm"]
+    assert ttm is DyCokeTTM and issubclass(ttm, DyCoke) and ttm.card.fixed_count_mode == "always"
+    assert ttm.card.stages == ("connect",) and not ttm.card.query_aware and not ttm.card.during_decode
+    assert ttm.card.positions == "compact" and set(ttm.testing.exemptions) == {"ordered_positions"}
+    assert ttm().bind(0.5).retained_count(32 * 196, (32, 14, 14), "qwen2_vl") == 9 * 196 + 23 * 60
 
 
 def test_ttm_roles():
@@ -296,7 +301,7 @@ def test_retention_sets_the_ttm_count(frames, tokens_per_frame, retention):
         assert abs(count - target) <= reduced, (count, target)
     else:
         assert target < floor and count == floor
-    plugin = DyCoke(DyCokeParams(), retention)
+    plugin = DyCoke().bind(retention)
     side = {196: 14, 144: 12, 9: 3}[n]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -328,7 +333,7 @@ def test_retention_hits_known_counts():
 
 
 def test_below_the_floor_warns_once_per_frame_count():
-    plugin = DyCoke(DyCokeParams(), 0.25)
+    plugin = DyCoke().bind(0.25)
     with pytest.warns(RuntimeWarning, match=r"dycoke: retention 0.25 is below .* 8-frame video") as caught:
         assert plugin.merging_ratio(8, 9) == merging_ratio_for(0.25, 8, 9)[0]
         plugin.merging_ratio(8, 9)
@@ -337,7 +342,7 @@ def test_below_the_floor_warns_once_per_frame_count():
     with pytest.warns(RuntimeWarning, match=r"4-frame video .*keeping 18 of 36 tokens \(50.0%\)"):
         plugin.merging_ratio(4, 9)
     with pytest.warns(RuntimeWarning, match="8-frame video"):  # another plugin object warns again
-        DyCoke(DyCokeParams(), 0.25).merging_ratio(8, 9)
+        DyCoke().bind(0.25).merging_ratio(8, 9)
 
 
 @pytest.mark.parametrize(
@@ -352,7 +357,7 @@ def test_below_the_floor_warns_once_per_frame_count():
 )
 def test_invalid_parameters(kwargs, match):
     with pytest.raises(ValueError, match=f"dycoke: {match}"):
-        DyCokeParams(**kwargs)
+        DyCoke(**kwargs)
 
 
 def make_tokens(x: torch.Tensor) -> VideoTokens:
@@ -366,26 +371,26 @@ def test_connect_hook_identity_selection_and_reports():
     x = torch.randn(4, 9, 6)
     tokens = make_tokens(x)
     ctx = Context()
-    assert DyCoke(DyCokeParams(), 1.0).vtc_connect(tokens=tokens, ctx=ctx) is tokens
+    assert DyCoke().bind(1.0).connect(tokens, ctx) is tokens
     assert ctx.reports == {"merging_ratio": [0.0]}  # retention 1: TTM off (k = 0), reported like any k
     # r = 0.75 of 4 x 9: 27 tokens; frames 0 and 2 stay whole (18), frames 1 and 3 keep round(4.5) = 4 each
-    plugin = DyCoke(DyCokeParams(), 0.75)
+    plugin = DyCoke().bind(0.75)
     ctx = Context()
     k = merging_ratio_for(0.75, 4, 9)[0]
     assert int((1 - k) * 9) == 4
     state = {name: (set(v) if isinstance(v, set) else v) for name, v in vars(plugin).items()}
-    out = plugin.vtc_connect(tokens=tokens, ctx=ctx)
+    out = plugin.connect(tokens, ctx)
     expected = ttm_select(tokens.embeds, tokens.frame, tokens.patch, 9, k)
     assert torch.equal(out.embeds, tokens.embeds[expected])
     assert torch.equal(out.positions, tokens.positions[expected])
     assert len(out) == plugin.retained_count(36, (4, 3, 3), "qwen2_vl") == 9 + 4 + 9 + 4
     assert ctx.reports == {"merging_ratio": [k]}
-    plugin.vtc_connect(tokens=tokens, ctx=ctx)  # a second video of the same forward
+    plugin.connect(tokens, ctx)  # a second video of the same forward
     assert ctx.reports == {"merging_ratio": [k, k]}
     assert vars(plugin) == state  # the plugin object keeps no per-forward state
-    explicit = DyCoke(DyCokeParams(k=0.5), 0.3)
+    explicit = DyCoke(k=0.5).bind(0.3)
     ctx = Context()
-    assert len(explicit.vtc_connect(tokens=tokens, ctx=ctx)) == 26 and ctx.reports == {"merging_ratio": [0.5]}
+    assert len(explicit.connect(tokens, ctx)) == 26 and ctx.reports == {"merging_ratio": [0.5]}
 
 
 # --- the patched model ----------------------------------------------------------------------------------------------

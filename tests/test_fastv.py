@@ -9,7 +9,7 @@ import torch
 import vtc
 from tests.conftest import FAMILIES, model_and_processor, single_inputs
 from tests.reference import CAPTURED, compressible_video_mask, last_rows_attention, start
-from vtc_plugins.fastv import FastVParams, fastv_keep, kept_count
+from vtc_plugins.fastv import FastV, fastv_keep, kept_count
 
 
 def test_keeps_the_top_attended_visual_tokens():
@@ -30,19 +30,18 @@ def test_padding_is_never_kept_and_rows_are_independent():
 
 
 def test_defaults_and_retention_mapping():
-    assert FastVParams().k == 2
-    plugin = vtc.registry()["fastv"].factory(FastVParams(), None)
-    assert plugin.ratio == 0.5  # paper: R = 50%
-    assert vtc.registry()["fastv"].factory(FastVParams(), 0.3).ratio == pytest.approx(0.7)
-    assert vtc.registry()["fastv"].factory(FastVParams(ratio=0.25), 0.3).ratio == 0.25  # explicit wins
+    assert FastV().k == 2 and vtc.registry()["fastv"] is FastV
+    assert FastV().bind(None).dropped() == 0.5  # paper: R = 50%
+    assert FastV().bind(0.3).dropped() == pytest.approx(0.7)
+    assert FastV(ratio=0.25).bind(0.3).dropped() == 0.25  # explicit wins
     assert kept_count(576, 0.75) == 144
     # a fixed count, at the last layer: round(N (1 - R)) whatever the family and grid
-    info = vtc.registry()["fastv"]
-    assert info.fixed_count and info.fixed_count_mode == "always" and info.retention_reference == "last_layer"
-    plugin = info.factory(FastVParams(), 0.3)
+    card = FastV.card
+    assert card.fixed_count and card.fixed_count_mode == "always" and card.retention_reference == "last_layer"
+    plugin = FastV().bind(0.3)
     assert plugin.retained_count(576, (4, 12, 12), "qwen2_vl") == 173
     assert plugin.retained_count(1568, (8, 14, 14), "llava_onevision") == round(1568 * 0.3) == 470
-    assert vars(plugin) == {"params": FastVParams(), "ratio": pytest.approx(0.7)}  # parameters only
+    assert vars(plugin) == {"k": 2, "ratio": None, "retention": 0.3}  # parameters and the bound share only
 
 
 def fastv_reference(model, inputs, k: int, ratio: float, new_tokens=None, keep=None):
@@ -101,5 +100,5 @@ def test_matches_reference_prefill_and_decode(family):
 def test_k_beyond_the_model_is_a_clear_error():
     model, _ = model_and_processor("qwen2_vl")
     with vtc.patch(model, "fastv", k=10):
-        with pytest.raises(ValueError, match=r"fastv: k=10 but the language model has only 4 layers"):
+        with pytest.raises(ValueError, match=r"fastv: prune layer 10 but the language model has only 4 layers"):
             model(**single_inputs("qwen2_vl"))

@@ -19,15 +19,13 @@ from vtc.core.tokens import Context, VideoTokens
 from vtc.core.vision_stats import VisionStat
 from vtc_plugins.fastvid import (
     FEATURES,
+    VERSIONS,
     FastVID,
-    FastVIDParams,
     MAPHead,
     assemble,
     dtm_merge,
     dyseg,
-    fastvid_llava,
-    fastvid_llava_video,
-    fastvid_qwen25,
+    fastvid_plan,
     fixed_target,
     llava_anchor_quotas,
     llava_frame_budget,
@@ -359,7 +357,21 @@ def test_llava_version_matches_the_official_code(seed, c, tau, p):
     ref = official_llava(video, attn, glob, 0.3, c, tau, 0.4, p, 0.6) if c > 1 else None
     tokens = grid_tokens(video.reshape(-1, dim), (frames, h, w))
     idx = list(torch.arange(frames * h * w).view(frames, -1))
-    plan = fastvid_llava(tokens.embeds, idx, attn.flatten(), glob, 0.3, c, tau, 0.4, p, 0.6, 4, torch.Generator())
+    plan = fastvid_plan(
+        VERSIONS["llava"],
+        tokens.embeds,
+        idx,
+        attn.flatten(),
+        glob,
+        0.3,
+        c=c,
+        tau=tau,
+        d=0.4,
+        p=p,
+        beta=0.6,
+        k=4,
+        generator=torch.Generator(),
+    )
     out = assemble(tokens, plan, attn.flatten(), None, h * w)
     assert out.positions.tolist() == sorted(out.positions.tolist())  # original order, original positions
     assert len(out) == plan.kept
@@ -383,8 +395,21 @@ def test_qwen_version_matches_the_official_code(seed, c, tau, ignore, p):
     ref = official_qwen(video, attn, glob, 0.27, c, tau, ignore, 0.4, p, 0.6)
     tokens = grid_tokens(video.reshape(-1, dim), (frames, h, w))
     idx = list(torch.arange(frames * h * w).view(frames, -1))
-    plan = fastvid_qwen25(
-        tokens.embeds, idx, attn.flatten(), glob, 0.27, c, tau, ignore, 0.4, p, 0.6, 4, torch.Generator()
+    plan = fastvid_plan(
+        VERSIONS["qwen2_5_vl"],
+        tokens.embeds,
+        idx,
+        attn.flatten(),
+        glob,
+        0.27,
+        c=c,
+        tau=tau,
+        ignore=ignore,
+        d=0.4,
+        p=p,
+        beta=0.6,
+        k=4,
+        generator=torch.Generator(),
     )
     out = assemble(tokens, plan, attn.flatten(), None, h * w)
     ours = _as_dict(out)
@@ -432,7 +457,21 @@ def test_llava_video_version_matches_the_official_code(seed, c, tau, p, r):
     ref = official_llava_video(video, attn, glob, r, c, tau, 0.4, p, 0.6)
     tokens = grid_tokens(video.reshape(-1, dim), (frames, h, w))
     idx = list(torch.arange(frames * h * w).view(frames, -1))
-    plan = fastvid_llava_video(tokens.embeds, idx, attn.flatten(), glob, r, c, tau, 0.4, p, 0.6, 4, torch.Generator())
+    plan = fastvid_plan(
+        VERSIONS["llava_video"],
+        tokens.embeds,
+        idx,
+        attn.flatten(),
+        glob,
+        r,
+        c=c,
+        tau=tau,
+        d=0.4,
+        p=p,
+        beta=0.6,
+        k=4,
+        generator=torch.Generator(),
+    )
     out = assemble(tokens, plan, attn.flatten(), None, h * w)
     ours = _as_dict(out)
     assert sorted(ours) == sorted(ref) and len(out) == plan.kept
@@ -449,8 +488,11 @@ def test_merged_tokens_follow_the_linear_map():
     tokens = grid_tokens(video.reshape(-1, dim), (frames, h, w))
     tokens.extras["deepstack"] = tokens.embeds.clone()
     idx = list(torch.arange(frames * h * w).view(frames, -1))
-    for fn in (fastvid_llava, fastvid_llava_video, fastvid_qwen25):
-        plan = fn(tokens.embeds, idx, attn.flatten(), video.mean(1), 0.4, c=1, tau=-1.0, generator=torch.Generator())
+    for version in VERSIONS.values():
+        gen = torch.Generator()
+        plan = fastvid_plan(
+            version, tokens.embeds, idx, attn.flatten(), video.mean(1), 0.4, c=1, tau=-1.0, generator=gen
+        )
         assert plan.segments == [frames] and plan.merges
         out = assemble(tokens, plan, attn.flatten(), None, h * w)
         torch.testing.assert_close(out.extras["deepstack"], out.embeds)
@@ -460,7 +502,7 @@ def test_merged_tokens_follow_the_linear_map():
 
 
 def test_params_defaults_and_validation():
-    p = FastVIDParams()
+    p = FastVID()
     assert (p.dyseg_c, p.dyseg_tau, p.dyseg_ignore, p.stprune_d, p.dtm_p, p.dtm_beta, p.knn) == (
         8,
         None,
@@ -473,40 +515,41 @@ def test_params_defaults_and_validation():
     assert p.retention_ratio is None and p.version == "auto" and not p.fixed_count and p.head is None
     for bad in (dict(retention_ratio=0.0), dict(dyseg_c=0), dict(stprune_d=1.5), dict(dtm_p=0), dict(version="x")):
         with pytest.raises(ValueError, match="fastvid"):
-            FastVIDParams(**bad)
-    info = vtc.registry()["fastvid"]
-    assert info.stages == ("connect",) and info.position_policy == "keep" and info.fixed_count
+            FastVID(**bad)
+    assert vtc.registry()["fastvid"] is FastVID
+    info = FastVID.card
+    assert info.stages == ("connect",) and info.positions == "keep" and info.fixed_count
     assert not info.query_aware
     assert info.fixed_count_mode == "optional" and info.vision_stats  # reads the tower's attention
-    assert not info.prepool and not info.needs_whole_frames and not info.acts_during_decode
+    assert not info.prepool and not info.whole_frames and not info.during_decode
     assert info.retention_reference == "llm_input" and info.retention_note
 
 
 def test_retention_mapping_and_family_defaults():
-    plugin = FastVID(FastVIDParams(), None)
-    assert plugin.version("llava_onevision") == "llava" and plugin.ratio("llava") == 0.10
-    assert plugin.version("llava_next_video") == "llava"  # every family that pools a tower patch grid
+    plugin = FastVID()
+    assert plugin.version_for("llava_onevision").name == "llava" and plugin.ratio(VERSIONS["llava"]) == 0.10
+    assert plugin.version_for("llava_next_video").name == "llava"  # every family that pools a tower patch grid
     assert plugin.vision_stats("llava_onevision") == [VisionStat("received", -1)]
     assert plugin.vision_stats("qwen2_5_vl") == [VisionStat("mean_query", -1)]
     for family in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
-        assert plugin.version(family) == "qwen2_5_vl"
-    assert plugin.ratio("qwen2_5_vl") == 0.27
-    assert FastVID(FastVIDParams(), 0.25).ratio("qwen2_5_vl") == 0.25  # r = retention
-    assert FastVID(FastVIDParams(retention_ratio=0.2), 0.25).ratio("llava") == 0.2  # the parameter wins
-    assert FastVID(FastVIDParams(version="llava"), None).version("qwen2_vl") == "llava"
-    video = FastVID(FastVIDParams(version="llava_video"), None)  # LLaVA-Video checkpoints: chosen by hand
-    assert video.version("llava_onevision") == "llava_video" and video.ratio("llava_video") == 0.10
-    assert FastVID(FastVIDParams(fixed_count=True, version="llava_video"), None).retained_count(
+        assert plugin.version_for(family).name == "qwen2_5_vl"
+    assert plugin.ratio(VERSIONS["qwen2_5_vl"]) == 0.27
+    assert FastVID().bind(0.25).ratio(VERSIONS["qwen2_5_vl"]) == 0.25  # r = retention
+    assert FastVID(retention_ratio=0.2).bind(0.25).ratio(VERSIONS["llava"]) == 0.2  # the parameter wins
+    assert FastVID(version="llava").version_for("qwen2_vl").name == "llava"
+    video = FastVID(version="llava_video")  # LLaVA-Video checkpoints: chosen by hand
+    assert video.version_for("llava_onevision").name == "llava_video" and video.ratio(VERSIONS["llava_video"]) == 0.10
+    assert FastVID(fixed_count=True, version="llava_video").retained_count(
         8 * 196, (8, 14, 14), "llava_onevision"
     ) == 8 * int(196 * 0.10)
-    assert FastVID(FastVIDParams(), None).vision_stats("llava_next_video") == [VisionStat("cls", -1)]
+    assert FastVID().vision_stats("llava_next_video") == [VisionStat("cls", -1)]
 
 
 def test_counts_adaptive_by_default_fixed_on_request():
-    adaptive = FastVID(FastVIDParams(), 0.1)
+    adaptive = FastVID().bind(0.1)
     assert adaptive.retained_count(32 * 196, (32, 14, 14), "llava_onevision") is None
-    assert FastVID(FastVIDParams(), 1.0).retained_count(576, (4, 12, 12), "llava_next_video") == 576
-    fixed = FastVID(FastVIDParams(fixed_count=True), 0.1)
+    assert FastVID().bind(1.0).retained_count(576, (4, 12, 12), "llava_next_video") == 576
+    fixed = FastVID(fixed_count=True).bind(0.1)
     assert fixed.retained_count(32 * 196, (32, 14, 14), "llava_onevision") == 32 * 19
     assert fixed.retained_count(32 * 196, (32, 14, 14), "qwen2_5_vl") == 32 * 19  # retention sets r everywhere
     assert fixed.retained_count(100, (32, 14, 14), "llava_onevision") == 10  # a thinned video: int(N r)
@@ -518,16 +561,16 @@ def test_fixed_count_is_a_pure_function_of_family_grid_and_params():
     at patch time) may change it, and without a retention the family picks the official default ratio."""
     n, grid = 8 * 196, (8, 14, 14)
     for retention in (0.25, None):
-        plugin = FastVID(FastVIDParams(fixed_count=True), retention)
+        plugin = FastVID(fixed_count=True).bind(retention)
         before = {f: plugin.retained_count(n, grid, f) for f in FAMILIES}
         for family in FAMILIES:
             plugin.vision_stats(family)
         assert {f: plugin.retained_count(n, grid, f) for f in FAMILIES} == before
-        fresh = FastVID(FastVIDParams(fixed_count=True), retention)
+        fresh = FastVID(fixed_count=True).bind(retention)
         assert {f: fresh.retained_count(n, grid, f) for f in FAMILIES} == before
         if retention is not None:
             assert set(before.values()) == {8 * int(196 * 0.25)}
-    default = FastVID(FastVIDParams(fixed_count=True), None)
+    default = FastVID(fixed_count=True)
     llava = default.retained_count(n, grid, "llava_onevision")
     qwen = default.retained_count(n, grid, "qwen2_5_vl")
     assert llava == 8 * int(196 * 0.10) and qwen == 8 * int(196 * 0.27) and llava != qwen
@@ -545,13 +588,13 @@ def test_fixed_count_is_exact_and_tops_up_by_salience(family):
     geometry = default_geometry(family)
     ctx = Context(family=family, geometry=geometry, vision=vision, generator=torch.Generator().manual_seed(0))
     kw = dict(dyseg_c=1, dyseg_tau=-1.0)
-    adaptive = FastVID(FastVIDParams(**kw), 0.3)
-    out = adaptive.vtc_connect(tokens=tokens, ctx=ctx)
+    adaptive = FastVID(**kw).bind(0.3)
+    out = adaptive.connect(tokens, ctx)
     (plan,) = ctx.reports["plan"]  # one plan for the one video
     assert plan.kept == len(out) and plan.segments == [frames]
-    fixed = FastVID(FastVIDParams(fixed_count=True, **kw), 0.3)
+    fixed = FastVID(fixed_count=True, **kw).bind(0.3)
     ctx = Context(family=family, geometry=geometry, vision=vision, generator=torch.Generator().manual_seed(0))
-    out_fixed = fixed.vtc_connect(tokens=tokens, ctx=ctx)
+    out_fixed = fixed.connect(tokens, ctx)
     (fixed_plan,) = ctx.reports["plan"]
     target = frames * int(h * w * 0.3)
     assert len(out_fixed) == target and fixed_plan.kept == plan.kept  # same plan, reconciled to the target
@@ -579,8 +622,8 @@ def test_full_retention_keeps_the_tokens_object():
         geometry=default_geometry("llava_onevision"),
         vision={VisionStat("received", -1): torch.rand(2, 16)},
     )
-    plugin = FastVID(FastVIDParams(), 1.0)
-    assert plugin.vtc_connect(tokens=tokens, ctx=ctx) is tokens and len(tokens) == 32
+    plugin = FastVID().bind(1.0)
+    assert plugin.connect(tokens, ctx) is tokens and len(tokens) == 32
     assert "plan" not in ctx.reports  # nothing planned: every token kept as it is
     assert plugin.retained_count(32, (2, 4, 4), "llava_onevision") == 32
 
@@ -611,18 +654,14 @@ def test_patched_model_sees_the_plan_on_the_models_statistics(family, version):
     generator vtc hands the plugin), in the original order and, on LLaVA, at the original positions."""
     model, _ = model_and_processor(family)
     inputs = single_inputs(family)
-    tokens, ctx = connect_inputs(model, inputs, FastVID(FastVIDParams(), None).vision_stats(family))
+    tokens, ctx = connect_inputs(model, inputs, FastVID().vision_stats(family))
     t, h, w = tokens.grid
     salience = salience_map(ctx.vision, ctx.geometry, (h, w))[tokens.frame, tokens.patch]
     idx = list(torch.arange(t * h * w).view(t, -1))
     glob = tokens.embeds.reshape(t, h * w, -1).mean(1)
     kw = dict(c=2, tau=-1.0, generator=torch.Generator().manual_seed(0))  # c = 2: a multi-frame segment
-    if family.startswith("qwen"):
-        plan = fastvid_qwen25(tokens.embeds, idx, salience, glob, 0.3, **kw)
-    elif version == "llava_video":
-        plan = fastvid_llava_video(tokens.embeds, idx, salience, glob, 0.3, **kw)
-    else:
-        plan = fastvid_llava(tokens.embeds, idx, salience, glob, 0.3, **kw)
+    official = "qwen2_5_vl" if family.startswith("qwen") else "llava_video" if version == "llava_video" else "llava"
+    plan = fastvid_plan(VERSIONS[official], tokens.embeds, idx, salience, glob, 0.3, **kw)
     assert any(length > 1 for length in plan.segments) and plan.merges
     expected = assemble(tokens, plan, salience, None, h * w)
     full_embeds, full_positions, _ = llm_inputs(model, inputs)
@@ -773,8 +812,9 @@ def head_plan(vision, tokens, features, r, version="llava", **kw):
     salience = F.interpolate(weights.reshape(t, 1, 27, 27), size=[h, w], mode="bilinear").reshape(t, h * w)
     salience = salience[tokens.frame, tokens.patch]
     idx = list(torch.arange(t * h * w).view(t, -1))
-    fn = fastvid_llava_video if version == "llava_video" else fastvid_llava
-    plan = fn(tokens.embeds, idx, salience, pooled, r, generator=torch.Generator().manual_seed(0), **kw)
+    plan = fastvid_plan(
+        VERSIONS[version], tokens.embeds, idx, salience, pooled, r, generator=torch.Generator().manual_seed(0), **kw
+    )
     return plan, salience
 
 
@@ -796,10 +836,10 @@ def test_head_gives_fastvid_its_salience_and_frame_feature(siglip, version):
     features = video_features(model, inputs)
     ctx.vision[FEATURES] = features
     kw = dict(dyseg_c=2, dyseg_tau=-1.0, version=version)  # one cut: at the lowest MAP-feature similarity
-    plugin = FastVID(FastVIDParams(head=path, **kw), 0.3)
+    plugin = FastVID(head=path, **kw).bind(0.3)
     assert plugin.vision_stats("llava_onevision") == [FEATURES]
-    ctx.generator = torch.Generator().manual_seed(0)
-    out = plugin.vtc_connect(tokens=tokens, ctx=ctx)
+    ctx = ctx.replace(generator=torch.Generator().manual_seed(0))
+    out = plugin.connect(tokens, ctx)
     (plan,) = ctx.reports["plan"]
     expected, salience = head_plan(vision, tokens, features, 0.3, version, c=2, tau=-1.0)
     same_plan(plan, expected)
@@ -808,23 +848,25 @@ def test_head_gives_fastvid_its_salience_and_frame_feature(siglip, version):
     assert torch.equal(out.positions, ref.positions)
     torch.testing.assert_close(out.embeds, ref.embeds)
     # fixed count: reconciled by the head's salience
-    fixed = FastVID(FastVIDParams(head=path, fixed_count=True, **kw), 0.3)
-    ctx.generator, ctx.reports = torch.Generator().manual_seed(0), {}
-    out_fixed = fixed.vtc_connect(tokens=tokens, ctx=ctx)
+    fixed = FastVID(head=path, fixed_count=True, **kw).bind(0.3)
+    ctx = ctx.replace(generator=torch.Generator().manual_seed(0), reports={})
+    out_fixed = fixed.connect(tokens, ctx)
     ref_fixed = assemble(tokens, expected, salience, fixed_target(len(tokens), tokens.grid, 0.3), tokens.grid[1] ** 2)
     assert len(out_fixed) == fixed.retained_count(len(tokens), tokens.grid, "llava_onevision")
     assert torch.equal(out_fixed.positions, ref_fixed.positions)
     # the fallback ignores the features: salience from the attention received, frame feature = token mean
-    ctx.generator, ctx.reports = torch.Generator().manual_seed(0), {}
-    FastVID(FastVIDParams(**kw), 0.3).vtc_connect(tokens=tokens, ctx=ctx)
+    ctx = ctx.replace(generator=torch.Generator().manual_seed(0), reports={})
+    FastVID(**kw).bind(0.3).connect(tokens, ctx)
     (fallback,) = ctx.reports["plan"]
     t, h, w = tokens.grid
     fb_salience = salience_map(ctx.vision, ctx.geometry, (h, w))[tokens.frame, tokens.patch]
     glob = tokens.embeds.reshape(t, h * w, -1).mean(1)
-    fn = fastvid_llava_video if version == "llava_video" else fastvid_llava
     idx = list(torch.arange(t * h * w).view(t, -1))
     gen = torch.Generator().manual_seed(0)
-    same_plan(fallback, fn(tokens.embeds, idx, fb_salience, glob, 0.3, c=2, tau=-1.0, generator=gen))
+    same_plan(
+        fallback,
+        fastvid_plan(VERSIONS[version], tokens.embeds, idx, fb_salience, glob, 0.3, c=2, tau=-1.0, generator=gen),
+    )
     assert not torch.equal(fallback.salient, plan.salient)  # the head's salience is not the attention's
 
 
@@ -841,7 +883,7 @@ def test_head_frame_features_follow_the_frames_present(siglip):
         vision={FEATURES: features},
         generator=torch.Generator().manual_seed(0),
     )
-    FastVID(FastVIDParams(head=path, dyseg_c=2, dyseg_tau=-1.0), 0.3).vtc_connect(tokens=tokens, ctx=ctx)
+    FastVID(head=path, dyseg_c=2, dyseg_tau=-1.0).bind(0.3).connect(tokens, ctx)
     (plan,) = ctx.reports["plan"]
     pooled, _ = hf_head(vision, features)
     sim = (normalize_rows(pooled)[[0, 2]] * normalize_rows(pooled)[[2, 3]]).sum(dim=1)
@@ -873,18 +915,18 @@ def test_patched_model_uses_the_head_end_to_end(siglip):
 def test_head_errors_name_the_checkpoint_and_the_families(siglip, tmp_path):
     path, _ = siglip
     with pytest.raises(ValueError, match="head must be"):
-        FastVIDParams(head="")
+        FastVID(head="")
     missing = str(tmp_path / "no-such-siglip")
     with pytest.raises(ValueError, match=f"could not load the SigLIP MAP head from head='{missing}'"):
-        FastVID(FastVIDParams(head=missing), None).vision_stats("llava_onevision")
+        FastVID(head=missing).vision_stats("llava_onevision")
     headless = tmp_path / "siglip-without-head"
     save_siglip(headless, vision_use_head=False)
     with pytest.raises(ValueError, match="has no SigLIP attention-pooling head"):
-        FastVID(FastVIDParams(head=str(headless)), None).vision_stats("llava_onevision")
+        FastVID(head=str(headless)).vision_stats("llava_onevision")
     for family in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava_next_video"):
         with pytest.raises(ValueError, match=f"applies to llava_onevision .*not to {family}"):
-            FastVID(FastVIDParams(head=path), None).vision_stats(family)
-    plugin = FastVID(FastVIDParams(head=path), None)
+            FastVID(head=path).vision_stats(family)
+    plugin = FastVID(head=path)
     assert plugin._head is None
     plugin.vision_stats("llava_onevision")  # loads once, at patch time
     loaded = plugin._head
@@ -901,13 +943,13 @@ def test_head_errors_name_the_checkpoint_and_the_families(siglip, tmp_path):
         generator=torch.Generator(),
     )
     with pytest.raises(ValueError, match="32 wide but the vision tower's features are 64"):
-        FastVID(FastVIDParams(head=str(wide)), 0.3).vtc_connect(tokens=tokens, ctx=ctx)
-    ctx.vision = {}
+        FastVID(head=str(wide)).bind(0.3).connect(tokens, ctx)
+    ctx = ctx.replace(vision={})
     with pytest.raises(RuntimeError, match="this context has none"):
-        FastVID(FastVIDParams(head=path), 0.3).vtc_connect(tokens=tokens, ctx=ctx)
-    ctx.geometry = default_geometry("llava_next_video")
+        FastVID(head=path).bind(0.3).connect(tokens, ctx)
+    ctx = ctx.replace(geometry=default_geometry("llava_next_video"))
     with pytest.raises(ValueError, match="not to llava_next_video"):
-        FastVID(FastVIDParams(head=path), 0.3).vtc_connect(tokens=tokens, ctx=ctx)
+        FastVID(head=path).bind(0.3).connect(tokens, ctx)
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "llava_next_video"])

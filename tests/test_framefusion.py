@@ -19,9 +19,10 @@ from vtc_plugins.framefusion import (
     DEFAULT_ATTENTION_ROWS,
     DEFAULT_SIMILARITY,
     FrameFusion,
-    FrameFusionParams,
+    FusionPrune,
     merge_plan,
     pruning_ratio,
+    rope_kind,
 )
 
 
@@ -51,29 +52,32 @@ def test_cost_schedule_worked_example():
 
 
 def test_defaults_follow_the_official_code():
-    p = FrameFusionParams()
+    p = FrameFusion()
     # num_layers None = the model's depth (the official code hard-codes 28; num_layers=28 reproduces it)
     assert (p.cost, p.ratio_lower_bound, p.num_layers, p.attention_rows) == (None, 0.1, None, None)
-    assert DEFAULT_SIMILARITY["qwen2_vl"] == 0.5 and DEFAULT_SIMILARITY["llava_onevision"] == 0.6
-    assert vtc.registry()["framefusion"].factory(p, None).cost == 0.3
-    assert vtc.registry()["framefusion"].factory(p, 0.4).cost == 0.4  # retention = cost
-    assert FrameFusion(FrameFusionParams(cost=0.2), 0.4).cost == 0.2  # an explicit cost wins
+    assert DEFAULT_SIMILARITY == {"mrope": 0.5, "rope": 0.6}
+    assert vtc.registry()["framefusion"]().bind(None).budget() == 0.3
+    assert vtc.registry()["framefusion"]().bind(0.4).budget() == 0.4  # retention = cost
+    assert FrameFusion(cost=0.2).bind(0.4).budget() == 0.2  # an explicit cost wins
     # the official interface code: the last 4 prompt rows on Qwen-VL, 1 on LLaVA (moved here from the adapters)
-    assert DEFAULT_ATTENTION_ROWS == {
-        "qwen2_vl": 4,
-        "qwen2_5_vl": 4,
-        "qwen3_vl": 4,
-        "llava_onevision": 1,
-        "llava_next_video": 1,
-    }
-    assert set(DEFAULT_SIMILARITY) == set(DEFAULT_ATTENTION_ROWS) == set(vtc.registry()["framefusion"].families)
+    assert DEFAULT_ATTENTION_ROWS == {"mrope": 4, "rope": 1}
+    kinds = {f: rope_kind(f) for f in vtc.registry()["framefusion"].card.families}
+    assert {f: k for f, k in kinds.items() if f in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")} == dict.fromkeys(
+        ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"), "mrope"
+    )
+    assert kinds["llava_onevision"] == kinds["llava_next_video"] == kinds["internvl"] == "rope"
+    assert (FrameFusion().threshold("qwen3_vl"), FrameFusion().num_rows("internvl")) == (0.5, 1)
     model, _ = model_and_processor("qwen2_vl")
     assert not hasattr(vtc.api.resolve_adapter(model), "attention_rows")
-    info = vtc.registry()["framefusion"]
-    assert info.retention_reference == "layer_mean" and not info.fixed_count
-    assert info.test_params == {"num_layers": 28}
-    with pytest.raises(ValueError, match="framefusion: num_layers must be >= 1"):
-        FrameFusionParams(num_layers=0)
+    cls = vtc.registry()["framefusion"]
+    assert cls.card.retention_reference == "layer_mean" and not cls.card.fixed_count
+    assert cls.card.stages == ("prefill",) and cls.owns == frozenset({"llm_token_schedule"}) and cls.query_aware
+    assert cls.testing.params == {"num_layers": 28}
+    with pytest.raises(ValueError, match=r"framefusion: num_layers must be in \[1, inf\)"):
+        FrameFusion(num_layers=0)
+    # the prune step is FastV's pruner, at the point after the attention of the layer where merging stopped
+    assert issubclass(FusionPrune, vtc.LayerPruner) and FusionPrune.keep_point == "after_attention"
+    assert not FusionPrune.upcast and FusionPrune not in vtc.registry().classes()  # a part, not a method
 
 
 def test_identical_frames_merge_and_runs_fold_into_the_earliest_frame():
@@ -197,7 +201,7 @@ def framefusion_reference(model, inputs, cost, new_tokens=None, num_layers=28):
     patch_type = torch.full((1, hidden.shape[1]), -1)
     patch_type[0, visual] = torch.arange(int(visual.sum())) % patch_num
     depth = len(ref.layers) if num_layers is None else num_layers
-    ff = OfficialStyleFrameFusion(cost, DEFAULT_SIMILARITY[adapter.family], 0.1, depth)
+    ff = OfficialStyleFrameFusion(cost, DEFAULT_SIMILARITY[rope_kind(adapter.family)], 0.1, depth)
     ff.prepare(patch_type, patch_num)
     num = {"qwen2_vl": 4, "qwen2_5_vl": 4, "qwen3_vl": 4, "llava_onevision": 1, "llava_next_video": 1}[adapter.family]
     with ref.capturing(), torch.no_grad():
@@ -240,8 +244,8 @@ def test_reports_one_entry_per_batch_row_and_hook_calls_keep_no_state():
     family = "qwen2_vl"
     model, _ = model_and_processor(family)
     with vtc.patch(model, "framefusion", retention=0.3, num_layers=28) as handle:
-        plugin = handle.pipeline.entries[0].plugin
-        state = dict(vars(plugin))
+        method = handle.pipeline.entries[0].method
+        state = dict(vars(method))
         with torch.no_grad():
             model(**batch_inputs(family))
         batch = handle.stats().reports["framefusion"]
@@ -250,7 +254,7 @@ def test_reports_one_entry_per_batch_row_and_hook_calls_keep_no_state():
             with torch.no_grad():
                 model(**single_inputs(family, which))
             singles.append(handle.stats().reports["framefusion"])
-        assert vars(plugin) == state  # per-prompt state lives in ctx.store, not on the plugin
+        assert vars(method) == state  # per-prompt state lives in ctx.state, not on the method
     for name in ("kept", "merge_steps", "pruned_at"):
         assert batch[name] == [s[name][0] for s in singles], name
         assert all(len(s[name]) == 1 for s in singles)

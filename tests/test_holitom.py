@@ -19,7 +19,7 @@ from vtc.core.tokens import Context
 from vtc_plugins.holitom import (
     RECEIVED,
     HoliTom,
-    HoliTomParams,
+    HoliTomOuter,
     adjusted_ratio,
     attention_on_grid,
     dpc_knn_merge,
@@ -494,7 +494,7 @@ def test_bidirectional_layer_matches_the_non_causal_reference(family):
     assert float((bidir_ref - causal_ref).abs().max()) > 1e-2
     assert float((logits[True] - logits[False]).abs().max()) > 1e-2
     # the unpatched model is causal: without the flag nothing changes outside vtc
-    assert HoliTomParams().bidirectional_layer is False
+    assert HoliTom().bidirectional_layer is False
 
 
 def layer0_inputs(model, inputs, **params):
@@ -562,7 +562,7 @@ def test_outer_then_inner_matches_reference(family):
 
 
 def test_defaults_and_retention_mapping():
-    p = HoliTomParams()
+    p = HoliTom()
     assert (p.k, p.beta, p.d, p.knn, p.max_window_size, p.use_beta, p.fixed_count) == (
         18,
         0.6,
@@ -572,32 +572,32 @@ def test_defaults_and_retention_mapping():
         True,
         False,
     )
-    default = HoliTom(p, None)
-    assert (default.retain_ratio, default.tau, default.r) == (0.15, 0.80, 0.5)
-    assert (HoliTom(p, 0.10).retain_ratio, HoliTom(p, 0.10).tau) == (0.10, 0.65)  # the scripts' 10% run
+    default = p.bind(None)
+    assert (default.retain(), default.static_tau(), default.inner_ratio()) == (0.15, 0.80, 0.5)
+    assert (p.bind(0.10).retain(), p.bind(0.10).static_tau()) == (0.10, 0.65)  # the scripts' 10% run
     for retention in (0.15, 0.20, 0.25):
-        assert (HoliTom(p, retention).retain_ratio, HoliTom(p, retention).tau) == (retention, 0.80)
-    explicit = HoliTom(HoliTomParams(retain_ratio=0.2, tau=0.7, r=0.25), 0.1)
-    assert (explicit.retain_ratio, explicit.tau, explicit.r) == (0.2, 0.7, 0.25)
-    identity = HoliTom(p, 1.0)
-    assert identity.r == 0.0 and not identity.outer_active and identity.vision_stats("qwen2_vl") == []
+        assert (p.bind(retention).retain(), p.bind(retention).static_tau()) == (retention, 0.80)
+    explicit = HoliTom(retain_ratio=0.2, tau=0.7, r=0.25).bind(0.1)
+    assert (explicit.retain(), explicit.static_tau(), explicit.inner_ratio()) == (0.2, 0.7, 0.25)
+    identity = p.bind(1.0)
+    assert identity.inner_ratio() == 0.0 and not identity.outer_active() and identity.vision_stats("qwen2_vl") == []
     assert identity.retained_count(1568, (8, 14, 14), "llava_onevision") == 1568
     assert identity.retained_count(700, (8, 14, 14), "qwen2_vl") == 700  # keeps whatever reaches it
     assert not p.bidirectional_layer  # causal by default (the eager / official-attention reading)
     with pytest.raises(ValueError, match="retain_ratio"):
-        HoliTomParams(retain_ratio=0.0)
-    with pytest.raises(ValueError, match="r \\(fraction merged"):
-        HoliTomParams(r=1.0)
-    with pytest.raises(ValueError, match="k must be >= 1"):
-        HoliTomParams(k=0)
+        HoliTom(retain_ratio=0.0)
+    with pytest.raises(ValueError, match=r"holitom: r must be in \[0, 1\)"):
+        HoliTom(r=1.0)
+    with pytest.raises(ValueError, match=r"holitom: k must be in \[1, inf\)"):
+        HoliTom(k=0)
 
 
 def test_fixed_count_depends_only_on_the_grid():
-    plugin = HoliTom(HoliTomParams(fixed_count=True), 0.25)
+    plugin = HoliTom(fixed_count=True).bind(0.25)
     for family in ("llava_onevision", "qwen2_vl"):  # the count does not depend on the family either
         assert plugin.retained_count(1568, (8, 14, 14), family) == inner_kept_count(392, 0.5) == 196
-    assert HoliTom(HoliTomParams(), 0.25).retained_count(1568, (8, 14, 14), "qwen2_vl") is None  # adaptive default
-    assert HoliTom(HoliTomParams(fixed_count=True, r=0.0), 0.25).retained_count(1568, (8, 14, 14), "qwen2_vl") == 392
+    assert HoliTom().bind(0.25).retained_count(1568, (8, 14, 14), "qwen2_vl") is None  # adaptive default
+    assert HoliTom(fixed_count=True, r=0.0).bind(0.25).retained_count(1568, (8, 14, 14), "qwen2_vl") == 392
     for family in ("llava_onevision", "qwen2_5_vl"):
         model, _ = model_and_processor(family)
         with vtc.patch(model, "holitom", retention=0.25, k=2, fixed_count=True) as handle:
@@ -617,11 +617,11 @@ def test_fixed_count_depends_only_on_the_grid():
 def test_connect_returns_the_input_at_full_retention():
     from vtc.core.tokens import VideoTokens
 
-    plugin = HoliTom(HoliTomParams(), 1.0)
+    plugin = HoliTom().bind(1.0)
     ones = torch.ones(4, dtype=torch.long)
     tokens = VideoTokens(torch.randn(4, 2), torch.arange(4), ones * 0, ones * 0, torch.arange(4), ones, (1, 1, 4))
     ctx = Context()
-    assert plugin.vtc_connect(tokens, ctx) is tokens
+    assert plugin.connect(tokens, ctx) is tokens
     assert ctx.reports == {}  # no outer merge: no plan
 
 
@@ -668,16 +668,25 @@ def test_reports_one_plan_per_video_and_one_count_per_row():
 
 
 def test_method_info():
-    info = vtc.registry()["holitom"]
+    cls = vtc.registry()["holitom"]
+    info = cls.card
     assert info.stages == ("connect", "prefill") and info.acts_in_llm
     assert info.fixed_count and info.fixed_count_mode == "optional"
-    assert info.vision_stats and info.needs_whole_frames and info.query_aware
-    assert not info.prepool and not info.acts_during_decode
-    assert info.owns == frozenset({"llm_token_schedule"}) and info.position_policy == "compact"
+    assert info.vision_stats and info.whole_frames and info.query_aware
+    assert not info.prepool and not info.during_decode
+    assert info.owns == frozenset({"llm_token_schedule"}) and info.positions == "compact"
     assert info.retention_reference == "llm_input" and "RETAIN_RATIO" in info.retention_note
-    assert set(info.conformance_exemptions) == {"ordered_positions", "retention"}
-    assert info.test_params == {"k": 2}
-    assert HoliTom(HoliTomParams(), 0.25).vision_stats("llava_onevision") == [RECEIVED]
+    assert set(cls.testing.exemptions) == {"ordered_positions", "retention"}
+    assert cls.testing.params == {"k": 2}
+    assert HoliTom().bind(0.25).vision_stats("llava_onevision") == [RECEIVED]
+    # holitom-outer: the connect part alone (r = 0, the paper's 'w/o M'), what a server runs
+    outer = vtc.registry()["holitom-outer"]
+    assert outer is HoliTomOuter and issubclass(HoliTom, HoliTomOuter) and issubclass(HoliTom, vtc.LayerPruner)
+    assert outer.card.stages == ("connect",) and outer.card.fixed_count_mode == "optional"
+    assert outer.card.vision_stats and outer.card.whole_frames and not outer.card.query_aware and not outer.owns
+    assert set(outer.testing.exemptions) == {"ordered_positions", "retention"} and outer.testing.params == {}
+    assert outer(k=4, r=0.3).bind(0.25).inner_ratio() == 0.0  # a holitom configuration serves unchanged
+    assert outer(fixed_count=True).bind(0.25).retained_count(1568, (8, 14, 14), "qwen2_vl") == 392
 
 
 def test_needs_whole_frames():
@@ -696,7 +705,7 @@ def test_needs_whole_frames():
     embeds[h * w : 2 * h * w] = embeds[: h * w] + 1e-3 * torch.randn(h * w, 8, generator=g, dtype=torch.float64)
     attn = torch.rand(t, h * w, generator=g)
     tokens = grid_tokens(embeds, (t, h, w), mrope=True)
-    plugin = HoliTom(HoliTomParams(), 0.5)
+    plugin = HoliTom().bind(0.5)
 
     def context():
         return Context(
@@ -707,9 +716,11 @@ def test_needs_whole_frames():
         )
 
     ctx = context()
-    out = plugin.vtc_connect(tokens=tokens, ctx=ctx)
+    out = plugin.connect(tokens, ctx)
     (plan,) = ctx.reports["plan"]
-    ref = outer_merge(embeds.view(t, h * w, 8), attn, 0.5, plugin.tau, generator=torch.Generator().manual_seed(0))
+    ref = outer_merge(
+        embeds.view(t, h * w, 8), attn, 0.5, plugin.static_tau(), generator=torch.Generator().manual_seed(0)
+    )
     assert len(out) == len(plan) == len(ref) and torch.equal(plan.anchors, ref.anchors)
     torch.testing.assert_close(out.embeds, ref.embeds)
     assert torch.equal(out.frame * h * w + out.patch, ref.anchors)
@@ -717,15 +728,15 @@ def test_needs_whole_frames():
     present = torch.ones(t * h * w, dtype=torch.bool)
     present[2 * h * w : 3 * h * w] = False
     ctx = context()
-    part = plugin.vtc_connect(tokens=tokens.select(torch.nonzero(present).flatten()), ctx=ctx)
+    part = plugin.connect(tokens.select(torch.nonzero(present).flatten()), ctx)
     (plan,) = ctx.reports["plan"]
     frames = torch.tensor([0, 1, 3])
     x = embeds.view(t, h * w, 8)[frames]
-    ref = outer_merge(x, attn[frames], 0.5, plugin.tau, generator=torch.Generator().manual_seed(0))
+    ref = outer_merge(x, attn[frames], 0.5, plugin.static_tau(), generator=torch.Generator().manual_seed(0))
     assert torch.equal(plan.anchors, ref.anchors) and 2 not in part.frame.tolist()
     torch.testing.assert_close(part.embeds, ref.embeds)
     assert torch.equal(part.frame, frames[ref.anchors // (h * w)]) and torch.equal(part.patch, ref.anchors % (h * w))
     # one token missing inside frame 1: refused with a message naming the method
     present[h * w + 5] = False
     with pytest.raises(ValueError, match="holitom needs whole frames"):
-        plugin.vtc_connect(tokens=tokens.select(torch.nonzero(present).flatten()), ctx=context())
+        plugin.connect(tokens.select(torch.nonzero(present).flatten()), context())

@@ -1,11 +1,12 @@
 """The sample stage from user code: frame indices (each family's reference rule), video metadata, decoders
 giving the same frames, the family inferred from the processor or the patched model, bad inputs refused with
-what is wrong, and the typed context a sampler sees."""
+what is wrong (one rule for frame arrays: uint8, grey expanded), more frames asked than the video has (warned),
+and the typed context a sampler sees."""
 
 from __future__ import annotations
 
 import copy
-import dataclasses
+import warnings
 
 import numpy as np
 import pytest
@@ -13,19 +14,20 @@ import torch
 
 import vtc
 from tests.conftest import FAMILIES, model_and_processor, videos
-from vtc.core.hookspecs import hookimpl
+from vtc.core.families import get_family
 from vtc.core.pipeline import Pipeline
-from vtc.core.registry import MethodInfo, registry
+from vtc.core.registry import registry
 from vtc.media.inputs import processor_family, sample_frames
 from vtc.media.video import (
     VideoSource,
     available_backends,
+    encode_video,
     sampling_rule,
     synthetic_video,
     uniform_indices,
     write_video,
 )
-from vtc_plugins.uniform import UniformParams
+from vtc_plugins.uniform import Uniform
 
 
 def test_uniform_indices():
@@ -37,7 +39,7 @@ def test_uniform_indices():
         uniform_indices(10, 2.5)
     with pytest.raises(ValueError, match=r"the video has no frames \(total=0\)"):
         uniform_indices(0, 4)
-    with pytest.raises(ValueError, match="frame sampling rule must be one of round, floor, got 'ceil'"):
+    with pytest.raises(ValueError, match="frame sampling rule must be one of round, floor, middle, got 'ceil'"):
         uniform_indices(10, 4, rule="ceil")
 
 
@@ -58,14 +60,14 @@ def test_uniform_indices_round_and_floor_rules():
 
 
 def test_sampling_rule_and_processor_family():
-    assert {f: sampling_rule(f) for f in FAMILIES} == {
-        "qwen2_vl": "round",
-        "qwen2_5_vl": "round",
-        "qwen3_vl": "round",
-        "llava_onevision": "floor",
-        "llava_next_video": "floor",
-    }
+    # each family declares its rule (`Family.frame_rule`); the reference pipelines' rules
+    assert {f: sampling_rule(f) for f in FAMILIES} == {f: get_family(f).frame_rule for f in FAMILIES}
+    expected = {"qwen2_vl": "round", "qwen2_5_vl": "round", "qwen3_vl": "round", "llava_onevision": "floor"}
+    expected.update(llava_next_video="floor", internvl="middle")
+    assert {f: sampling_rule(f) for f in expected} == expected
     assert sampling_rule(None) == sampling_rule("unknown") == "round"
+    # InternVL's get_index: the middle of equal segments of T - 1 frames
+    assert uniform_indices(11, 4, "middle") == [1, 3, 6, 9] and uniform_indices(3, 5, "middle") == [0, 0, 1, 1, 2]
     for family in FAMILIES:
         _, processor = model_and_processor(family)
         assert processor_family(processor) == family
@@ -121,15 +123,16 @@ def test_handle_prepare_uses_the_patched_models_family(monkeypatch):
     with vtc.patch(model, "random", retention=0.5) as handle:  # no sample stage: uniform by the family's rule
         handle.prepare(renamed(processor), clip, "What happens?", num_frames=5)
     assert calls[-1] == uniform_indices(11, 5, "floor") == [0, 2, 5, 7, 10]
-    # duplicates of the floor rule reach the processor as repeated frames
-    inputs = vtc.prepare_inputs(processor, synthetic_video(3, 64, 64), "What happens?", num_frames=5)
+    # duplicates of the floor rule reach the processor as repeated frames (and are warned about)
+    with pytest.warns(UserWarning, match="asks for 5 frames but the video has only 3 frames"):
+        inputs = vtc.prepare_inputs(processor, synthetic_video(3, 64, 64), "What happens?", num_frames=5)
     assert calls[-1] == [0, 0, 1, 1, 2] and inputs["pixel_values_videos"].shape[1] == 5
 
 
 def test_uniform_rule_parameter():
-    assert UniformParams().rule is None
-    with pytest.raises(ValueError, match="uniform: rule must be one of round, floor"):
-        UniformParams(rule="nearest")
+    assert Uniform().rule is None
+    with pytest.raises(ValueError, match="uniform: rule must be one of 'round', 'floor', 'middle', got 'nearest'"):
+        Uniform(rule="nearest")
     source = VideoSource.open(synthetic_video(11, 16, 16))
     for family, rule, expected in (
         ("qwen2_vl", None, [0, 3, 7, 10]),
@@ -139,7 +142,7 @@ def test_uniform_rule_parameter():
     ):
         pipeline = Pipeline("uniform", params={"num_frames": 4, "rule": rule}, family=family)
         ctx = vtc.Context(family=family)
-        assert pipeline.run_sample(source, ctx) == expected, (family, rule)
+        assert pipeline.run_sample(source, ctx) == (expected, {}), (family, rule)  # nothing prepared
         assert sample_frames(source, "q", pipeline, family=family).indices == expected
 
 
@@ -174,10 +177,84 @@ def test_decoders_give_the_same_frames(clip_path):
 def test_missing_file_and_bad_array():
     with pytest.raises(FileNotFoundError, match="video not found"):
         VideoSource.open("/nonexistent/clip.mp4")
-    with pytest.raises(ValueError, match=r"\[T, H, W, 3\]"):
-        VideoSource.open(np.zeros((4, 8, 8)))
+    with pytest.raises(ValueError, match=r"must be \[T, H, W, 3\] RGB \(or \[T, H, W\] grey\) uint8"):
+        VideoSource.open(np.zeros((4, 8, 8, 2), dtype=np.uint8))
     with pytest.raises(ValueError, match="unknown video backend"):
         VideoSource.open(__file__, backend="opencv")
+
+
+def test_frame_arrays_follow_one_rule():
+    """uint8 whatever the shape, so float frames in [0, 1] are refused like any other dtype (casting them would
+    give black frames), with how to convert; grey [T, H, W] (or [T, H, W, 1]) uint8 frames become RGB."""
+    clip = synthetic_video(4, 16, 24)
+    floats = clip / 255.0
+    for bad in (floats, floats[..., 0], clip.astype(np.float32)):
+        with pytest.raises(ValueError, match=rf"a frame array must be uint8 .*got dtype {bad.dtype}") as err:
+            VideoSource.open(bad)
+        assert "floats in [0, 1]: (frames * 255).round().astype(np.uint8)" in str(err.value)
+    with pytest.raises(ValueError, match=r"got dtype int64 .* values in \[0, 255\]: frames.astype\(np.uint8\)"):
+        VideoSource.open(clip.astype(np.int64))
+    # the conversion the message gives is exact for frames that were uint8
+    converted = (floats * 255).round().astype(np.uint8)
+    assert np.array_equal(VideoSource.open(converted).read(range(4)), clip)
+    # grey frames: the value in all three channels, [T, H, W] or [T, H, W, 1]
+    grey = clip[..., 1]
+    rgb = np.repeat(grey[..., None], 3, axis=-1)
+    for frames in (grey, grey[..., None]):
+        source = VideoSource.open(frames)
+        assert (source.num_frames, source.height, source.width) == (4, 16, 24)
+        assert np.array_equal(source.read(range(4)), rgb)
+    # one image is not a grey video; RGBA is refused with how to drop the alpha
+    with pytest.raises(ValueError, match=r"is one image \[H, W, 3\], not a video.*frames\[None\]"):
+        VideoSource.open(clip[0])
+    with pytest.raises(ValueError, match=r"is RGBA; pass RGB \[T, H, W, 3\]: frames\[\.\.\., :3\]"):
+        VideoSource.open(np.concatenate([clip, clip[..., :1]], axis=-1))
+    # the same rule through the public entry points, and for encoding a clip (the serving client sends these)
+    _, processor = model_and_processor("qwen2_vl")
+    with pytest.raises(ValueError, match="must be uint8"):
+        vtc.prepare_inputs(processor, floats, "What happens?", num_frames=4)
+    inputs = vtc.prepare_inputs(processor, grey, "What happens?", num_frames=4)
+    assert torch.equal(
+        inputs["pixel_values_videos"],
+        vtc.prepare_inputs(processor, rgb, "What happens?", num_frames=4)["pixel_values_videos"],
+    )
+    with pytest.raises(ValueError, match="must be uint8"):
+        encode_video(floats)
+
+
+def test_more_frames_than_the_video_has_warns_naming_both_counts(monkeypatch):
+    """Not an error (a short clip gets every frame, or repeats under the floor rule), but never silent: who asked,
+    how many, how many there are, and what the model gets."""
+    _, qwen = model_and_processor("qwen2_vl")
+    _, llava = model_and_processor("llava_onevision")
+    clip = synthetic_video(8, 64, 64)
+    calls = read_spy(monkeypatch)
+    with pytest.warns(UserWarning) as record:
+        vtc.prepare_inputs(qwen, clip, "What happens?", "uniform", num_frames=64)
+    assert calls[-1] == list(range(8))
+    (warning,) = record
+    assert str(warning.message) == (
+        "num_frames=64 asks for 64 frames but the video has only 8 frames: the model gets 8 frames. Ask for at most "
+        "8 frames (num_frames=) to match this video"
+    )
+    assert warning.filename == __file__  # points at the caller of prepare_inputs
+    # the sampler's own parameter (here its qualified name), and the floor rule's repeats
+    with pytest.warns(UserWarning, match=r"^uniform's num_frames=64 asks for 64 frames but the video has only 8"):
+        vtc.prepare_inputs(qwen, clip, "What happens?", "uniform", **{"uniform.num_frames": 64})
+    with pytest.warns(UserWarning, match=r"the model gets 12 frames, only 8 of them distinct \(frames repeat\)"):
+        vtc.prepare_inputs(llava, clip, "What happens?", num_frames=12)
+    assert calls[-1] == uniform_indices(8, 12, "floor")
+    # no sample stage: vtc's default count
+    with pytest.warns(UserWarning, match=r"^the default num_frames=16 asks for 16 frames but the video has only 8"):
+        vtc.prepare_inputs(qwen, clip, "What happens?", "random")
+    # enough frames: silent; sample_frames keeps the warning with the frames it returns
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        vtc.prepare_inputs(qwen, clip, "What happens?", num_frames=8)
+        assert sample_frames(clip, "q", num_frames=8).warnings == []
+    with pytest.warns(UserWarning):
+        sampled = sample_frames(clip, "q", num_frames=9)
+    assert len(sampled.warnings) == 1 and "asks for 9 frames but the video has only 8" in sampled.warnings[0]
 
 
 def test_a_file_that_is_not_a_video_names_every_decoder(tmp_path):
@@ -255,17 +332,16 @@ def test_question_reaches_query_aware_plugins():
     model, processor = model_and_processor("qwen2_vl")
     seen = {}
 
-    from vtc.core.hookspecs import hookimpl
+    @vtc.method("t_question", paper="test")
+    class Spy(vtc.Method):
+        query_aware = True
 
-    class Spy:
-        @hookimpl
-        def vtc_connect(self, tokens, ctx):
+        def connect(self, tokens, ctx):
             seen["question"] = ctx.question
             seen["ids"] = ctx.question_ids
             return tokens
 
-    with vtc.patch(model, "random", retention=1.0) as handle:
-        handle.pipeline.entries[0].plugin.vtc_connect = Spy().vtc_connect
+    with vtc.patch(model, Spy()) as handle:
         inputs = handle.prepare(processor, videos()[0], "Which shape moves?", num_frames=4, fps=8)
         with torch.no_grad():
             model(**inputs)
@@ -273,44 +349,32 @@ def test_question_reaches_query_aware_plugins():
     assert "Which shape moves?" in processor.tokenizer.decode(seen["ids"])
 
 
-@dataclasses.dataclass
-class NoParams:
-    pass
-
-
 def test_sample_context_fields_are_typed(monkeypatch, clip_path):
-    """A sampler gets the frame request, the processor, the family and a `prepared` dict as Context fields (not
-    `ctx.extra` keys), and what it leaves in `ctx.prepared` reaches the connect stage of that prompt."""
+    """A sampler gets the frame request, the processor, the family and its own `state` dict as Context fields (not
+    `ctx.extra` keys), and what it leaves in `ctx.state` reaches the connect stage of that prompt as
+    `ctx.prepared` (the method's own dict)."""
     seen = []
     connect = []
 
-    class Spy:
-        @hookimpl
-        def vtc_sample(self, video, ctx):
+    @vtc.method("t_sampler", paper="test")
+    class Spy(vtc.FrameSampler):
+        def sample(self, video, ctx):
             seen.append(ctx)
-            ctx.prepared["t_sampler"] = {"frames": video.num_frames}
+            ctx.state["frames"] = video.num_frames
             return [0, video.num_frames - 1]
 
-        @hookimpl
-        def vtc_connect(self, tokens, ctx):
+        def connect(self, tokens, ctx):
             connect.append(dict(ctx.prepared))
             return tokens
 
-    info = MethodInfo(
-        name="t_sampler",
-        factory=lambda p, r: Spy(),
-        params=NoParams,
-        stages=("sample", "connect"),
-        paper="test",
-        reduces_tokens=False,
-        owns=frozenset({"frame_selection"}),
-    )
-    monkeypatch.setitem(registry()._methods, "t_sampler", info)
+    assert Spy.card.stages == ("sample", "connect") and not Spy.card.reduces_tokens
+    assert Spy.card.owns == frozenset({"frame_selection"})
+    monkeypatch.setitem(registry()._methods, "t_sampler", Spy)
     model, processor = model_and_processor("qwen2_vl")
     vtc.prepare_inputs(processor, clip_path, "Which shape moves?", "t_sampler", num_frames=6)
     (ctx,) = seen
     assert (ctx.num_frames, ctx.processor, ctx.family, ctx.question) == (6, processor, "qwen2_vl", "Which shape moves?")
-    assert ctx.prepared == {"t_sampler": {"frames": 40}} and ctx.extra == {}
+    assert ctx.state == {"frames": 40} and ctx.prepared == {} and ctx.extra == {}
     vtc.prepare_inputs(processor, clip_path, "Which shape moves?", "t_sampler")
     assert seen[-1].num_frames is None  # no request: the method's own default
     with vtc.patch(model, "t_sampler") as handle:
@@ -319,4 +383,4 @@ def test_sample_context_fields_are_typed(monkeypatch, clip_path):
         assert inputs["video_grid_thw"][0, 0].item() == 1  # frames 0 and 39: one temporal patch
         with torch.no_grad():
             model(**inputs)
-    assert connect == [{"t_sampler": {"frames": 40}}]
+    assert connect == [{"frames": 40}]

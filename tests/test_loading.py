@@ -65,7 +65,7 @@ def test_accelerate_offloaded_model_matches(family, method):
     inputs = single_inputs(family)
     # parameters that fit the 4-layer test models (FrameFusion: the official 28-layer cost schedule, since at
     # retention 0.3 its merge steps alone spend more than a 4-layer budget)
-    params = vtc.registry()[method].test_params
+    params = vtc.registry()[method].testing.params
     with vtc.patch(plain, method, retention=0.3, **params), torch.no_grad():
         expected = plain(**inputs).logits
     with vtc.patch(dispatched, method, retention=0.3, **params) as handle:

@@ -11,7 +11,7 @@ from tests.test_streaming import whole_prompt
 from vtc.media.video import synthetic_video
 from vtc.testing.fixtures import model_and_processor
 from vtc_plugins.memstream import (
-    MemStreamParams,
+    MemStream,
     drift_corrected,
     reciprocal_rank_fusion,
     select_frame,
@@ -67,9 +67,9 @@ def test_reciprocal_rank_fusion_and_frame_budget():
 
 def test_bad_parameters():
     with pytest.raises(ValueError, match="experts must be one of"):
-        MemStreamParams(experts="clip+dino")
-    with pytest.raises(ValueError, match="tau must be a cosine"):
-        MemStreamParams(tau=2.0)
+        MemStream(experts="clip+dino")
+    with pytest.raises(ValueError, match=r"tau must be in \[-1, 1\]"):
+        MemStream(tau=2.0)
 
 
 @pytest.mark.parametrize("family", ["llava_onevision", "qwen2_5_vl"])

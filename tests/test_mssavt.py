@@ -18,7 +18,6 @@ from vtc.core.pipeline import Pipeline
 from vtc.core.tokens import Context, VideoTokens
 from vtc_plugins.mssavt import (
     MSSAVT,
-    MSSAVTParams,
     keep_per_frame,
     masked_prune,
     mssavt_frame,
@@ -89,29 +88,29 @@ def signs(n, d, seed):
     return torch.randint(0, 2, (n, d), generator=g).float() * 2 - 1
 
 
-def llava_ctx(store=None, video_index=0):
+def llava_ctx(state=None, video_index=0):
     family = "llava_next_video"
-    ctx = Context(family=family, geometry=default_geometry(family), video_index=video_index)
-    if store is not None:
-        ctx.store = store
-    return ctx
+    return Context(
+        family=family, geometry=default_geometry(family), video_index=video_index, state={} if state is None else state
+    )
 
 
 # --- parameters and registration -----------------------------------------------------------------------------------
 def test_defaults_validation_and_registration():
-    p = MSSAVTParams()
+    p = MSSAVT()
     assert p.rho is None and p.tau_t == 0.9 and p.mask == "local_max"
-    assert MSSAVT(p, None).rho == 0.25 and MSSAVT(p, 0.4).rho == 0.4 and MSSAVT(MSSAVTParams(rho=0.1), 0.4).rho == 0.1
+    assert p.bind(None).fraction() == 0.25 and p.bind(0.4).fraction() == 0.4
+    assert MSSAVT(rho=0.1).bind(0.4).fraction() == 0.1
     with pytest.raises(ValueError, match=r"rho must be in \(0, 1\]"):
-        MSSAVTParams(rho=0.0)
-    with pytest.raises(ValueError, match=r"tau_t must be a cosine threshold in \[-1, 1\]"):
-        MSSAVTParams(tau_t=1.5)
+        MSSAVT(rho=0.0)
+    with pytest.raises(ValueError, match=r"tau_t must be in \[-1, 1\]"):
+        MSSAVT(tau_t=1.5)
     with pytest.raises(ValueError, match="mask must be one of 'local_max', 'checkerboard'"):
-        MSSAVTParams(mask="chess")
-    info = vtc.registry()["mssavt"]
-    assert info.stages == ("connect",) and info.fixed_count_mode == "always" and info.needs_whole_frames
-    assert info.position_policy == "keep" and not info.query_aware and not info.vision_stats
-    assert info.streams and info.capabilities()["streams"]
+        MSSAVT(mask="chess")
+    card = vtc.registry()["mssavt"].card
+    assert card.stages == ("connect",) and card.fixed_count_mode == "always" and card.whole_frames
+    assert card.positions == "keep" and not card.query_aware and not card.vision_stats
+    assert card.streams and card.capabilities()["streams"]
     with pytest.raises(ValueError, match="needs whole frames"):
         Pipeline("random+mssavt", 0.25)
     Pipeline("mssavt+random", 0.25)
@@ -120,10 +119,10 @@ def test_defaults_validation_and_registration():
 def test_keep_per_frame_and_retained_count():
     assert keep_per_frame(16, 0.25) == 4 and keep_per_frame(49, 0.25) == 12 and keep_per_frame(25, 0.01) == 1
     assert keep_per_frame(36, 1.0) == 36 and keep_per_frame(10, 0.25) == 2  # round half to even (2.5 -> 2)
-    plugin = MSSAVT(MSSAVTParams(), 0.25)
+    plugin = MSSAVT().bind(0.25)
     assert plugin.retained_count(8 * 196, (8, 14, 14), "llava_onevision") == 8 * 49
     assert plugin.retained_count(4 * 144, (4, 12, 12), "qwen2_vl") == 4 * 36
-    assert MSSAVT(MSSAVTParams(), 1.0).retained_count(3 * 25, (3, 5, 5), "qwen2_vl") == 75
+    assert MSSAVT().bind(1.0).retained_count(3 * 25, (3, 5, 5), "qwen2_vl") == 75
 
 
 # --- known answers -------------------------------------------------------------------------------------------------
@@ -244,9 +243,9 @@ def test_plugin_keeps_k_per_frame_in_order_and_is_the_identity_at_full_retention
     x = torch.randn(t * h * w, 8, generator=g)
     x[h * w : 2 * h * w] = x[: h * w] + 0.01 * torch.randn(h * w, 8, generator=g)  # frame 1 ~ frame 0
     tokens = VideoTokens.from_grid(x, (t, h, w))
-    plugin = MSSAVT(MSSAVTParams(), 0.25)
+    plugin = MSSAVT().bind(0.25)
     ctx = llava_ctx()
-    out = plugin.vtc_connect(tokens=tokens, ctx=ctx)
+    out = plugin.connect(tokens, ctx)
     k = keep_per_frame(h * w, 0.25)
     assert len(out) == plugin.retained_count(len(tokens), tokens.grid, ctx.family) == t * k
     assert torch.bincount(out.frame, minlength=t).tolist() == [k] * t
@@ -259,46 +258,44 @@ def test_plugin_keeps_k_per_frame_in_order_and_is_the_identity_at_full_retention
         expected = mssavt_frame(frame, previous, (h, w), k) + f * h * w
         assert out.positions[out.frame == f].tolist() == expected.tolist()
         previous = frame
-    full = MSSAVT(MSSAVTParams(), 1.0)
-    assert full.vtc_connect(tokens=tokens, ctx=llava_ctx()) is tokens
+    full = MSSAVT().bind(1.0)
+    assert full.connect(tokens, llava_ctx()) is tokens
     scores = mssavt_scores(x[: h * w].bfloat16(), torch.ones(h * w, dtype=torch.bool), (h, w))
     assert scores.dtype == torch.float32  # scored in float32 whatever the model dtype
 
 
-def test_previous_frame_is_carried_across_calls_with_the_same_store():
+def test_previous_frame_is_carried_across_calls_with_the_same_state():
     """Streaming: the first frame of a chunk compares to the last frame of the previous chunk of the same video
-    (same ctx.store, same video_index); a fresh store, or another video, starts without a previous frame."""
+    (same ctx.state, same video_index); a fresh state, or another video, starts without a previous frame."""
     h, w = 4, 4
     frames = [signs(h * w, 16, seed=s) for s in (10, 11, 12)]
     chunk1 = VideoTokens.from_grid(torch.cat(frames[:2]), (2, h, w))
     chunk2 = VideoTokens.from_grid(torch.cat([frames[1], frames[2]]), (2, h, w))  # starts with chunk 1's last frame
-    plugin = MSSAVT(MSSAVTParams(), 0.25)
+    plugin = MSSAVT().bind(0.25)
     ctx = llava_ctx()
-    plugin.vtc_connect(tokens=chunk1, ctx=ctx)
-    assert torch.equal(ctx.store[("previous", 0)], frames[1])  # the original (unpruned) last frame
-    streamed = plugin.vtc_connect(tokens=chunk2, ctx=llava_ctx(store=ctx.store))
+    plugin.connect(chunk1, ctx)
+    assert torch.equal(ctx.state[("previous", 0)], frames[1])  # the original (unpruned) last frame
+    streamed = plugin.connect(chunk2, llava_ctx(state=ctx.state))
     assert streamed.positions[streamed.frame == 0].tolist() == [12, 13, 14, 15]  # a repeat of the previous frame
-    assert ctx.store[("previous", 0)] is not None and torch.equal(ctx.store[("previous", 0)], frames[2])
-    fresh = plugin.vtc_connect(tokens=chunk2, ctx=llava_ctx())
+    assert ctx.state[("previous", 0)] is not None and torch.equal(ctx.state[("previous", 0)], frames[2])
+    fresh = plugin.connect(chunk2, llava_ctx())
     assert fresh.positions[fresh.frame == 0].tolist() == mssavt_frame(frames[1], None, (h, w), 4).tolist()
-    other = llava_ctx(store=ctx.store, video_index=1)  # another video of the same prompt never sees video 0's frame
-    assert torch.equal(plugin.vtc_connect(tokens=chunk2, ctx=other).embeds, fresh.embeds)
-    # a video in two chunks with one store = the whole video in one call
+    other = llava_ctx(state=ctx.state, video_index=1)  # another video of the same prompt never sees video 0's frame
+    assert torch.equal(plugin.connect(chunk2, other).embeds, fresh.embeds)
+    # a video in two chunks with one state = the whole video in one call
     g = torch.Generator().manual_seed(5)
     x = torch.randn(4 * h * w, 8, generator=g)
     x[2 * h * w : 3 * h * w] = x[h * w : 2 * h * w] + 0.05 * torch.randn(h * w, 8, generator=g)
-    whole = plugin.vtc_connect(tokens=VideoTokens.from_grid(x, (4, h, w)), ctx=llava_ctx())
+    whole = plugin.connect(VideoTokens.from_grid(x, (4, h, w)), llava_ctx())
     store: dict = {}
     parts = [
-        plugin.vtc_connect(
-            tokens=VideoTokens.from_grid(x[i * 2 * h * w : (i + 1) * 2 * h * w], (2, h, w)), ctx=llava_ctx(store=store)
-        )
+        plugin.connect(VideoTokens.from_grid(x[i * 2 * h * w : (i + 1) * 2 * h * w], (2, h, w)), llava_ctx(state=store))
         for i in range(2)
     ]
     assert torch.equal(whole.embeds, torch.cat([p.embeds for p in parts]))
     # a stored frame of another grid size is ignored (no previous frame)
     store[("previous", 0)] = torch.randn(9, 8)
-    again = plugin.vtc_connect(tokens=VideoTokens.from_grid(x[: 2 * h * w], (2, h, w)), ctx=llava_ctx(store=store))
+    again = plugin.connect(VideoTokens.from_grid(x[: 2 * h * w], (2, h, w)), llava_ctx(state=store))
     assert torch.equal(again.embeds, parts[0].embeds)
 
 

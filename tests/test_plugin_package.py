@@ -12,7 +12,8 @@ import pytest
 import vtc
 from tests.conftest import FAMILIES
 from tests.probes import fake_distribution
-from vtc.core.registry import CONFORMANCE_CHECKS, registry
+from vtc.core.method import CONFORMANCE_CHECKS
+from vtc.core.registry import registry
 from vtc.testing import conformance
 
 EXAMPLE = Path(__file__).parent / "plugin_example"
@@ -34,10 +35,20 @@ def keepnorm_installed(tmp_path_factory):
     sys.modules.pop("vtc_keepnorm", None)
 
 
+def test_the_docs_show_the_package_verbatim():
+    """docs/write-a-plugin.md's example is the package's code, line for line (after its docstring)."""
+    source = (EXAMPLE / "vtc_keepnorm" / "__init__.py").read_text()
+    code = source.split('"""\n', 2)[2].strip()
+    docs = (Path(__file__).parents[1] / "docs" / "write-a-plugin.md").read_text()
+    assert code in docs
+    lines = [line for line in code.splitlines() if line.strip() and not line.strip().startswith(('"""', "#"))]
+    assert len(lines) <= 20, len(lines)
+
+
 def test_the_package_is_discovered_and_listed(keepnorm_installed, capsys):
-    info = keepnorm_installed["keepnorm"]
-    assert info.paper == "(example)" and info.fixed_count_mode == "always" and info.stages == ("connect",)
-    assert "keepnorm" in [i.name for i in vtc.methods()]
+    card = keepnorm_installed["keepnorm"].card
+    assert card.paper == "(example)" and card.fixed_count_mode == "always" and card.stages == ("connect",)
+    assert "keepnorm" in [c.name for c in vtc.methods()]
     from vtc.tools.cli import main
 
     assert main(["methods", "--json"]) == 0
@@ -63,17 +74,16 @@ def test_a_wrong_count_is_caught_on_the_first_forward(keepnorm_installed):
 
     def from_grid(self, num_tokens, grid, family):  # the bug: the original grid, not what is left
         t, h, w = grid
-        return max(1, round(t * h * w * self.ratio))
+        return max(1, round(t * h * w * self.fraction()))
 
-    @vtc.hookimpl
     def connect(self, tokens, ctx):  # the hook itself counts right
-        return tokens.select(top_norm(tokens.embeds, max(1, round(len(tokens) * self.ratio))))
+        return tokens.select(top_norm(tokens.embeds, max(1, round(len(tokens) * self.fraction()))))
 
     from vtc_keepnorm import top_norm
 
     with pytest.MonkeyPatch.context() as m:
         m.setattr(KeepNorm, "retained_count", from_grid)
-        m.setattr(KeepNorm, "vtc_connect", connect)
+        m.setattr(KeepNorm, "connect", connect)
         with vtc.patch(model, "random+keepnorm", retention=0.25):
             with pytest.raises(RuntimeError, match="'keepnorm' promised 288 tokens .* but returned 144"):
                 conformance._logits(model, conformance.single_inputs("qwen2_vl"))
@@ -89,10 +99,10 @@ def test_broken_or_empty_packages_are_skipped_with_a_warning(tmp_path, monkeypat
     registry.cache_clear()
     try:
         with pytest.warns(RuntimeWarning) as caught:
-            names = [i.name for i in vtc.methods()]
+            names = [c.name for c in vtc.methods()]
         messages = " | ".join(str(w.message) for w in caught)
         assert "'broken'" in messages and "vtc_broken" in messages and "needs a GPU library" in messages
-        assert "'vtc_empty:empty'" in messages and "registered no method" in messages
+        assert "'empty'" in messages and "vtc_empty" in messages and "defines no method" in messages
         assert "random" in names  # vtc itself keeps working
     finally:
         registry.cache_clear()

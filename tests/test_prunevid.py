@@ -23,7 +23,7 @@ from vtc_plugins.prunevid import (
     TAG_FRAME,
     TAG_STATIC,
     TAG_WINDOW,
-    PruneVidParams,
+    PruneVid,
     cluster_means,
     dpc_knn_cluster,
     prunevid_stage1,
@@ -195,7 +195,7 @@ def flat(frames):
 
 
 def test_defaults_follow_the_official_scripts():
-    p = PruneVidParams()
+    p = PruneVid()
     assert (p.selected_layer, p.alpha, p.tau, p.temporal_segment_ratio, p.cluster_ratio, p.k) == (
         10,
         None,
@@ -205,19 +205,21 @@ def test_defaults_follow_the_official_scripts():
         7,
     )
     assert p.fixed_count is False
-    info = vtc.registry()["prunevid"]
+    cls = vtc.registry()["prunevid"]
+    info = cls.card
+    assert cls is PruneVid and issubclass(PruneVid, vtc.LayerPruner)  # stage 2 is FastV's schedule
     assert info.stages == ("connect", "prefill")
     assert info.query_aware and info.owns == frozenset({"llm_token_schedule"})
-    assert info.position_policy == "compact" and info.fixed_count and info.fixed_count_mode == "optional"
+    assert info.positions == "compact" and info.fixed_count and info.fixed_count_mode == "optional"
     # the count retention sets is the one after the layer-M prune; stage 1 has no vision statistics
     assert info.retention_reference == "last_layer" and "layer-M prune" in info.retention_note
-    assert not (info.vision_stats or info.prepool or info.needs_whole_frames or info.acts_during_decode)
-    assert set(info.conformance_exemptions) == {"ordered_positions"}
-    assert info.test_params == {"selected_layer": 2}
-    plugin = info.factory(p, None)
-    assert plugin.alpha == DEFAULT_ALPHA == 0.4
+    assert not (info.vision_stats or info.prepool or info.whole_frames or info.during_decode)
+    assert set(cls.testing.exemptions) == {"ordered_positions"}
+    assert cls.testing.params == {"selected_layer": 2}
+    plugin = cls().bind(None)
+    assert plugin.group_alpha() == DEFAULT_ALPHA == 0.4
     assert plugin.retained_count(1000, (10, 10, 10), "qwen2_vl") is None  # adaptive by default
-    # the plugin object holds only its parameters (per-prompt state lives in ctx.store)
+    # the method object holds only its parameters (per-prompt state lives in ctx.state)
     assert not any(hasattr(plugin, a) for a in ("last_kept", "last_plans", "_pending", "entry_layout", "_scores"))
 
 
@@ -234,31 +236,31 @@ def test_defaults_follow_the_official_scripts():
 )
 def test_invalid_parameters(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        PruneVidParams(**kwargs)
+        PruneVid(**kwargs)
 
 
 def test_retention_mapping_and_fixed_counts():
-    factory = vtc.registry()["prunevid"].factory
+    cls = vtc.registry()["prunevid"]
     grid = (4, 12, 12)
-    plugin = factory(PruneVidParams(), 0.3)
-    assert plugin.alpha is None and plugin.target == 0.3  # alpha = round(0.3 N) / (tokens after stage 1)
+    plugin = cls().bind(0.3)
+    assert plugin.group_alpha() is None and plugin.target() == 0.3  # alpha = round(0.3 N) / (tokens after stage 1)
     assert plugin.retained_count(576, grid, "qwen2_vl") is None
-    fixed = factory(PruneVidParams(fixed_count=True), 0.3)
+    fixed = cls(fixed_count=True).bind(0.3)
     for family in ("qwen2_vl", "llava_onevision"):  # the count depends on the tokens only
         assert fixed.retained_count(576, grid, family) == round(0.3 * 576) == 173
     assert fixed.retained_count(300, grid, "qwen2_vl") == round(0.3 * 300)  # of what reaches it
     # defaults: the README's 16.2 % at alpha = 0.4; an explicit alpha scales it and wins over the retention
-    default = factory(PruneVidParams(fixed_count=True), None)
+    default = cls(fixed_count=True).bind(None)
     assert default.retained_count(1000, grid, "qwen2_vl") == round(README_RETAINED * 1000)
-    explicit = factory(PruneVidParams(alpha=0.2, fixed_count=True), 0.9)
-    assert explicit.alpha == 0.2
+    explicit = cls(alpha=0.2, fixed_count=True).bind(0.9)
+    assert explicit.group_alpha() == 0.2
     assert explicit.retained_count(1000, grid, "qwen2_vl") == round(0.2 * README_RETAINED / 0.4 * 1000)
     # retention 1.0 keeps everything (both stages off)
-    full = factory(PruneVidParams(), 1.0)
-    assert full.identity and full.retained_count(576, grid, "qwen2_vl") == 576
+    full = cls().bind(1.0)
+    assert full.identity() and full.retained_count(576, grid, "qwen2_vl") == 576
     tokens = _video_tokens(torch.randn(2, 4, 4))
     ctx = Context()
-    assert full.vtc_connect(tokens=tokens, ctx=ctx) is tokens
+    assert full.connect(tokens, ctx) is tokens
     assert ctx.reports == {}  # no stage 1: no plan
 
 
@@ -396,9 +398,9 @@ def _context(seed: int = 0, family: str = "qwen2_vl") -> Context:
 def test_connect_merges_linearly_and_tags_the_tokens():
     frames = scene_video(t=8, length=16, dim=8, static=12, seed=4)
     tokens = _video_tokens(frames)
-    plugin = vtc.registry()["prunevid"].factory(PruneVidParams(), None)
+    plugin = vtc.registry()["prunevid"]().bind(None)
     ctx = _context(seed=0)
-    out = plugin.vtc_connect(tokens=tokens, ctx=ctx)
+    out = plugin.connect(tokens, ctx)
     (plan,) = ctx.reports["plan"]  # one report for the one video
     assert list(ctx.reports) == ["plan"] and len(out) == plan.count
     # the reported plan is the official stage 1 with the same generator
@@ -420,9 +422,9 @@ def test_relaxed_stage1_leaves_at_least_the_budget():
     frames = scene_video(t=8, length=16, dim=8, static=16, seed=5)  # everything static: stage 1 keeps little
     tokens = _video_tokens(frames)
     for fixed in (False, True):
-        plugin = vtc.registry()["prunevid"].factory(PruneVidParams(fixed_count=fixed), 0.5)
+        plugin = vtc.registry()["prunevid"](fixed_count=fixed).bind(0.5)
         ctx = _context(seed=0)
-        out = plugin.vtc_connect(tokens=tokens, ctx=ctx)
+        out = plugin.connect(tokens, ctx)
         budget = round(0.5 * len(tokens))
         assert len(out) >= budget and bool((out.tags[TAG_BUDGET] == budget).all())
         (plan,) = ctx.reports["plan"]  # the relaxed plan is the one reported
@@ -491,14 +493,14 @@ def _layout_probe(plugin):
     """Wrap the plugin's prefill hook to record the layout (slots, tags) of the sequence entering the LLM, at
     layer 0 of every prefill (vtc keeps no per-forward state on the plugin object)."""
     layouts = []
-    original = plugin.vtc_prefill
+    original = plugin.prefill
 
-    def wrapped(state, ctx):
-        if state.phase == "prefill" and state.layer == 0 and state.point == "layer_start":
-            layouts.append(state.layout)
-        return original(state=state, ctx=ctx)
+    def wrapped(llm, ctx):
+        if llm.phase == "prefill" and llm.layer == 0 and llm.point == "layer_start":
+            layouts.append(llm.layout)
+        return original(llm, ctx)
 
-    plugin.vtc_prefill = wrapped
+    plugin.prefill = wrapped
     return layouts
 
 
@@ -608,7 +610,7 @@ def test_matches_reference_prefill_and_decode(family, retention, alpha, causal):
     inputs = single_inputs(family)
     params = {"selected_layer": 2, "causal_scores": causal} | ({"alpha": alpha} if alpha is not None else {})
     with vtc.patch(model, "prunevid", retention=retention, **params) as handle:
-        layouts = _layout_probe(handle.pipeline.entries[-1].plugin)
+        layouts = _layout_probe(handle.pipeline.entries[-1].method)
         calls, hook = _capture_llm_inputs(model)
         try:
             gen = model.generate(

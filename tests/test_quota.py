@@ -19,7 +19,6 @@ from vtc.media.video import VideoSource
 from vtc_plugins.quota import (
     Quota,
     QuotaClip,
-    QuotaParams,
     anchor_cells,
     frame_shape,
     frame_weights,
@@ -86,53 +85,54 @@ def test_qwen_pairs_frames_into_temporal_patches():
 
 
 def test_defaults_follow_the_official_pipeline():
-    p = QuotaParams()
+    p = Quota()
     assert (p.max_frames_num, p.additional_frames, p.enhance_total, tuple(p.weight_scale)) == (96, 64, 64, (100, 2))
     assert p.scorer is None and p.decouple and p.decouple_max_new_tokens == 4096
     with pytest.raises(ValueError, match="weight_scale"):
-        QuotaParams(weight_scale=(1, 2, 3))
+        Quota(weight_scale=(1, 2, 3))
 
 
 def test_method_info_declares_what_the_plugin_needs():
     for name in ("quota", "quota-clip"):
-        info = vtc.registry()[name]
+        cls = vtc.registry()[name]
+        info = cls.card
         assert info.stages == ("sample", "connect") and info.owns == frozenset({"frame_selection"})
-        assert info.query_aware and info.fixed_count_mode == "optional" and info.position_policy == "compact"
+        assert info.query_aware and info.fixed_count_mode == "optional" and info.positions == "compact"
         # the pre-pool feature maps are resized (the `needs_prepool` attribute of the first contract), and every
         # cell of every frame is needed
-        assert info.prepool and info.needs_whole_frames and not info.vision_stats
+        assert info.prepool and info.whole_frames and not info.vision_stats and info.reduces_tokens
         assert info.retention_reference == "llm_input" and info.retention_note
-        assert {"original_positions", "ordered_positions"} <= set(info.conformance_exemptions)
-        assert info.test_params["decouple_max_new_tokens"] == 4
-    clip = vtc.registry()["quota-clip"].test_params
+        assert {"original_positions", "ordered_positions"} <= set(cls.testing.exemptions)
+        assert cls.testing.params["decouple_max_new_tokens"] == 4
+    clip = vtc.registry()["quota-clip"].testing.params
     assert clip["clip_model"] == "vtc-tiny-clip" and clip["clip_pretrained"] is None  # no download
-    assert not hasattr(Quota(QuotaParams()), "needs_prepool")
+    assert not hasattr(Quota(), "needs_prepool")
     # its sample stage runs first, so a connect method named before it still sees whole frames
     assert Pipeline("divprune+quota").names() == ["quota", "divprune"]
 
 
 def _clip_sampler(**params):
-    return QuotaClip(QuotaParams(**{**vtc.registry()["quota-clip"].test_params, "decouple": False, **params}), 0.25)
+    return QuotaClip(**{**vtc.registry()["quota-clip"].testing.params, "decouple": False, **params}).bind(0.25)
 
 
 def test_sampling_truncates_like_the_official_pipeline():
     """quota_pipeline.py samples `np.linspace(0, T - 1, N, dtype=int)`: truncated, duplicates kept on short clips
     (qwen-vl-utils' rounding would give [0, 3, 7, 10]); the request comes from `ctx.num_frames`, the question's
-    scores land in `ctx.prepared["quota"]`."""
+    scores land in `ctx.state` (what its connect stage reads as `ctx.prepared`)."""
     frames = np.random.default_rng(0).integers(0, 256, size=(11, 32, 32, 3), dtype=np.uint8)
     source = VideoSource.open(frames, fps=1.0)
     ctx = Context(question="Which shape moves?", num_frames=4)
-    assert _clip_sampler().vtc_sample(video=source, ctx=ctx) == [0, 3, 6, 10]
-    info = ctx.prepared["quota"]
+    assert _clip_sampler().sample(source, ctx) == [0, 3, 6, 10]
+    info = ctx.state
     assert info["objects"] == [] and len(info["scores"]) == len(info["weights"]) == 4
     assert sum(info["weights"]) == pytest.approx(1.0)
     ctx = Context(question="Which shape moves?", num_frames=5)
-    assert _clip_sampler().vtc_sample(video=VideoSource.open(frames[:3], fps=1.0), ctx=ctx) == [0, 0, 1, 1, 2]
+    assert _clip_sampler().sample(VideoSource.open(frames[:3], fps=1.0), ctx) == [0, 0, 1, 1, 2]
     # no request: max_frames_num + additional_frames per hour (11 s: 96 + 0), duplicates kept
     ctx = Context(question="Which shape moves?")
-    indices = _clip_sampler().vtc_sample(video=source, ctx=ctx)
+    indices = _clip_sampler().sample(source, ctx)
     assert indices == np.linspace(0, 10, 96, dtype=int).tolist() and len(indices) == 96
-    assert len(ctx.prepared["quota"]["scores"]) == 96
+    assert len(ctx.state["scores"]) == 96
 
 
 def test_sampler_needs_the_processor_for_decoupling():
@@ -140,13 +140,13 @@ def test_sampler_needs_the_processor_for_decoupling():
     model, processor = model_and_processor("qwen2_vl")
     ctx = Context(question="Which shape moves?", num_frames=2, model=model, processor=None)
     with pytest.raises(ValueError, match="query decoupling runs the model"):
-        Quota(QuotaParams()).vtc_sample(video=VideoSource.open(frames), ctx=ctx)
+        Quota().sample(VideoSource.open(frames), ctx)
     with pytest.raises(ValueError, match="pass it to handle.prepare"):
-        Quota(QuotaParams()).vtc_sample(video=VideoSource.open(frames), ctx=Context(processor=processor))
+        Quota().sample(VideoSource.open(frames), Context(processor=processor))
 
 
 def _connect_ctx(weights, family="qwen2_vl"):
-    return Context(family=family, geometry=default_geometry(family), prepared={"quota": {"weights": weights}})
+    return Context(family=family, geometry=default_geometry(family), prepared={"weights": weights})
 
 
 def test_connect_resizes_frames_onto_their_anchor_cells():
@@ -156,7 +156,7 @@ def test_connect_resizes_frames_onto_their_anchor_cells():
     tokens = grid_tokens(torch.randn(18, 5, generator=g), (2, 3, 3), mrope=True)
     tokens.extras["deepstack"] = tokens.embeds.clone()
     ctx = _connect_ctx([0.8, 0.2])
-    out = Quota(QuotaParams(), 1.0).vtc_connect(tokens=tokens, ctx=ctx)
+    out = Quota().bind(1.0).connect(tokens, ctx)
     # B = 18: int(14.4) = 14 -> a 4 x 3 grid (12 cells), int(3.6) = 3 -> 2 x 1 (2 cells)
     assert ctx.reports == {"budgets": [[14, 3]]}
     assert len(out) == 14 and out.grid == (2, 3, 3)
@@ -174,26 +174,26 @@ def test_connect_resizes_frames_onto_their_anchor_cells():
 def test_connect_fixed_count_and_whole_frames():
     tokens = grid_tokens(torch.randn(32, 4), (2, 4, 4))
     ctx = _connect_ctx([0.5, 0.5], "llava_onevision")
-    fixed = Quota(QuotaParams(fixed_count=True), 0.3)
-    out = fixed.vtc_connect(tokens=tokens, ctx=ctx)
+    fixed = Quota(fixed_count=True).bind(0.3)
+    out = fixed.connect(tokens, ctx)
     assert len(out) == fixed.retained_count(32, (2, 4, 4), "llava_onevision") == round(32 * 0.3) == 10
     assert ctx.reports == {"budgets": [[5, 5]]}  # B = 10 shared equally, exactly
-    assert Quota(QuotaParams(), 0.3).retained_count(32, (2, 4, 4), "llava_onevision") is None  # adaptive
+    assert Quota().bind(0.3).retained_count(32, (2, 4, 4), "llava_onevision") is None  # adaptive
     thinned = tokens.select(torch.arange(1, 32))
     with pytest.raises(ValueError, match="quota resizes whole frames"):
-        fixed.vtc_connect(tokens=thinned, ctx=_connect_ctx([0.5, 0.5], "llava_onevision"))
+        fixed.connect(thinned, _connect_ctx([0.5, 0.5], "llava_onevision"))
     with pytest.raises(ValueError, match="build the inputs with handle.prepare"):
-        fixed.vtc_connect(tokens=tokens, ctx=Context(family="qwen2_vl", geometry=default_geometry("qwen2_vl")))
+        fixed.connect(tokens, Context(family="qwen2_vl", geometry=default_geometry("qwen2_vl")))
 
 
 def run_quota(family, method="quota", retention=0.25, **params):
     """(stats of the forward, what the sample stage prepared for the prompt) of one prepared clip."""
     model, processor = model_and_processor(family)
-    params = {**vtc.registry()[method].test_params, **params}
+    params = {**vtc.registry()[method].testing.params, **params}
     with vtc.patch(model, method, retention=retention, **params) as handle:
         inputs = handle.prepare(processor, videos()[0], "Which shape moves?", num_frames=8, fps=8)
         (prompt,) = handle._patch.prepared.values()
-        info = prompt["methods"]["quota"]
+        info = prompt["methods"][method]  # what the method's sample stage left in its ctx.state
         with torch.no_grad():
             model(**inputs)
         return handle.stats(), info

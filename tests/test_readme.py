@@ -169,10 +169,12 @@ def test_docs_examples(offline, capsys):
 
 def test_write_a_plugin_example_registers_and_passes(offline):
     namespace: dict = {}
-    run_python(code_blocks(ROOT / "docs" / "write-a-plugin.md", "python")[0], namespace)
+    blocks = code_blocks(ROOT / "docs" / "write-a-plugin.md", "python")
+    assert len(blocks) == 4
+    run_python(blocks[0], namespace)
     registry = vtc.registry()
     try:
-        namespace["vtc_register_methods"](registry=registry)
+        vtc.register(namespace["KeepNorm"])
         model, processor = tiny.build("qwen2_vl")
         inputs = vtc.prepare_inputs(processor, "clip.mp4", "What happens?", num_frames=4)
         with torch.no_grad():
@@ -184,15 +186,19 @@ def test_write_a_plugin_example_registers_and_passes(offline):
             with torch.no_grad():
                 model(**inputs)
             assert handle.stats().visual_tokens_out == handle.retained_count(handle.stats().grids[0])
-        # the page's other examples: tiny models and clips in Python, and the conformance matrix as a test file
-        blocks = code_blocks(ROOT / "docs" / "write-a-plugin.md", "python")
-        assert len(blocks) == 3
-        run_python(blocks[1], {})
+        # the page's other examples: using it (one patch at a time), tiny models and clips, the conformance matrix
+        for line in blocks[1].strip().splitlines():
+            handle = eval(line.split("#")[0].strip(), {"vtc": vtc, "model": model, "KeepNorm": namespace["KeepNorm"]})
+            with torch.no_grad():
+                model(**inputs)
+            assert handle.stats().visual_tokens_out < handle.stats().visual_tokens_in
+            handle.unpatch()
+        run_python(blocks[2], {})
         matrix: dict = {}
-        run_python(blocks[2], matrix)
+        run_python(blocks[3], matrix)
         cases = [c for c in matrix["conformance"].cases(["keepnorm"]) if c.family == "qwen2_vl"]
         assert {c.check for c in cases} >= {"identity_at_full_retention", "retention", "fixed_count"}
         for case in cases[:3]:
             matrix["test_conformance"](case)
     finally:
-        registry._methods.pop("keepnorm", None)
+        registry.remove("keepnorm")

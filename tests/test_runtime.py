@@ -4,31 +4,20 @@ stream, and hiding cached keys during decode steps."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
 import vtc
 from tests.conftest import model_and_processor, single_inputs
 from tests.reference import CAPTURED, start
-from vtc.core.hookspecs import hookimpl
-from vtc.core.registry import MethodInfo, registry
+from vtc.core.registry import registry
 
 FAMILY = "qwen2_vl"
 
 
-@dataclasses.dataclass
-class NoParams:
-    pass
-
-
-def register(name, plugin_cls, **info):
-    registry().add(
-        MethodInfo(
-            name=name, factory=lambda p, r: plugin_cls(), params=NoParams, stages=("prefill",), paper="test", **info
-        )
-    )
+def register(name, method_cls, **attributes):
+    """Register `method_cls` (a `vtc.Method` with a prefill hook) as method `name`, class attributes overridden."""
+    registry().add(vtc.method(name, paper="test")(type(method_cls.__name__, (method_cls,), attributes)))
 
 
 @pytest.fixture
@@ -46,9 +35,8 @@ def visual_mask(inputs):
 def test_after_visual_rows(methods):
     seen = {}
 
-    class Rows:
-        @hookimpl
-        def vtc_prefill(self, state, ctx):
+    class Rows(vtc.Method):
+        def prefill(self, state, ctx):
             if state.point == "layer_start" and state.layer == 1:
                 state.request_attention("after_visual", upcast=True)
             if state.point == "after_attention" and state.layer == 1:
@@ -83,9 +71,8 @@ def test_prune_cache_of_earlier_layers_and_decode(methods):
     (decode steps) must never see them, at any layer."""
     chosen = {}
 
-    class Prune:
-        @hookimpl
-        def vtc_prefill(self, state, ctx):
+    class Prune(vtc.Method):
+        def prefill(self, state, ctx):
             if state.point == "layer_start" and state.layer == 2:
                 layout = state.layout
                 keep = layout.valid.clone()
@@ -130,9 +117,8 @@ def test_prune_cache_of_earlier_layers_and_decode(methods):
 
 
 def test_replace_hidden_mid_layer(methods):
-    class Scale:
-        @hookimpl
-        def vtc_prefill(self, state, ctx):
+    class Scale(vtc.Method):
+        def prefill(self, state, ctx):
             if state.point == "after_attention" and state.layer == 1:
                 state.replace_hidden(state.hidden * 0.5)
 
@@ -163,14 +149,13 @@ def test_replace_hidden_mid_layer(methods):
 def test_mask_keys_during_decode(methods):
     """A decode-time plugin hides the cached video tokens from layer 1 on, for every decode step."""
 
-    class Hide:  # decode-time hooks are declared on MethodInfo (acts_during_decode), not on the plugin
-        @hookimpl
-        def vtc_prefill(self, state, ctx):
+    class Hide(vtc.Method):  # decode-time calls are declared by the class attribute during_decode
+        def prefill(self, state, ctx):
             if state.phase == "decode" and state.point == "layer_start" and state.layer == 1:
                 layout = state.prefill_layout(1)
                 state.mask_keys(layout.valid & ~layout.visual)
 
-    register("t_hide", Hide, acts_during_decode=True)
+    register("t_hide", Hide, during_decode=True)
     methods.append("t_hide")
     model, _ = model_and_processor(FAMILY)
     inputs = single_inputs(FAMILY)
@@ -197,13 +182,12 @@ def test_mask_keys_during_decode(methods):
 
 
 def test_decode_calls_need_the_declaration(methods):
-    """Without MethodInfo(acts_during_decode=True) a prefill plugin is never called on decode steps."""
+    """Without `during_decode = True` a prefill method is never called on decode steps."""
     phases = {"t_decl": [], "t_undecl": []}
 
     def make(name):
-        class Hide:
-            @hookimpl
-            def vtc_prefill(self, state, ctx):
+        class Hide(vtc.Method):
+            def prefill(self, state, ctx):
                 phases[name].append(state.phase)
                 if state.phase == "decode" and state.point == "layer_start" and state.layer == 1:
                     layout = state.prefill_layout(1)
@@ -211,7 +195,7 @@ def test_decode_calls_need_the_declaration(methods):
 
         return Hide
 
-    register("t_decl", make("t_decl"), acts_during_decode=True)
+    register("t_decl", make("t_decl"), during_decode=True)
     register("t_undecl", make("t_undecl"))
     methods.extend(["t_decl", "t_undecl"])
     model, _ = model_and_processor(FAMILY)

@@ -9,6 +9,7 @@ import torch
 
 import vtc
 from tests.conftest import FAMILIES
+from vtc.core.families import get_family
 from vtc.media.inputs import build_messages
 from vtc.media.video import synthetic_video
 from vtc.streaming.session import fixed_frame_size
@@ -42,7 +43,7 @@ def whole_prompt(model, processor, frames, fps=0.5, max_new_tokens=4):
     return logits, out[0, inputs["input_ids"].shape[1] :].tolist(), inputs["input_ids"].shape[1]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [f for f in FAMILIES if "streaming" in get_family(f).features])
 def test_unbounded_uncompressed_stream_equals_one_whole_video_prompt(family, clip):
     model, processor = model_and_processor(family)
     frames = clip[:6]
@@ -204,3 +205,48 @@ def test_a_compressed_stream_equals_the_same_method_on_the_whole_video(family, m
         assert handle.stats().visual_tokens_out == s.stats().stored_tokens
     torch.testing.assert_close(streamed.first_logits, ref_logits, atol=1e-4, rtol=1e-4)
     assert streamed.token_ids == ref_ids
+
+
+def test_patch_refuses_a_model_with_an_open_stream_naming_it():
+    """A stream encodes its chunks with the model's own forward: a patch installed while it is open would compress
+    them too, and the next feed read rows the patch had dropped (an IndexError deep in the session). vtc.patch
+    refuses the model while a stream is open, naming the stream and saying to close it, and installs nothing; once
+    the stream is closed the model takes a patch."""
+    import gc
+
+    from vtc.hf.patching import OPEN_STREAMS, PATCHED_MODELS
+
+    model, processor = model_and_processor("qwen2_vl")
+    frame = synthetic_video(1, 112, 112, seed=0)[0]
+
+    def hooks():
+        return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+
+    with vtc.stream(model, processor, "mssavt", retention=0.5, processor_kwargs=SMALL) as s:
+        s.feed(frame)
+        s.feed(frame)
+        before = hooks()
+        with pytest.raises(ValueError) as err:
+            vtc.patch(model, "random", retention=0.5)
+        message = str(err.value)
+        assert message.startswith(f"this model has an open vtc.stream session ({s!r}); ")
+        assert "close the stream first (session.close(), or leave its `with` block)" in message
+        assert "vtc.patch(model, 'random', ...)" in message
+        assert hooks() == before and model not in PATCHED_MODELS  # the refused patch installed nothing
+        s.feed(frame)  # the stream goes on as if nothing happened
+        s.feed(frame)
+        stats = s.stats()
+        assert stats.chunks == 2 and stats.visual_tokens_kept == stats.visual_tokens_fed // 2
+    assert model not in OPEN_STREAMS
+    with vtc.patch(model, "random", retention=0.5):  # closed: the model takes a patch
+        pass
+    s = vtc.stream(model, processor)
+    with pytest.raises(ValueError, match="open vtc.stream session"):
+        vtc.patch(model, "random")
+    s.close()  # closed by hand
+    with vtc.patch(model, "random"):
+        pass
+    vtc.stream(model, processor)  # never closed, but dropped: a session nobody holds does not block the model
+    gc.collect()
+    with vtc.patch(model, "random"):
+        pass

@@ -17,7 +17,6 @@ from vtc.core.tokens import Context
 from vtc_plugins.streamingtom import (
     RECEIVED,
     StreamingTOMCTR,
-    StreamingTOMCTRParams,
     classify_static,
     ctr_dpc_centers,
     ctr_frame,
@@ -250,13 +249,13 @@ def test_few_static_tokens():
 # --- the plugin ---------------------------------------------------------------------------------------------------
 
 
-def context(attn, store=None, video_index=0, generator=None):
+def context(attn, state=None, video_index=0, generator=None):
     return Context(
         family="qwen2_vl",
         geometry=default_geometry("qwen2_vl"),
         vision={RECEIVED: attn},
         generator=generator if generator is not None else gen(0),
-        store=store if store is not None else {},
+        state=state if state is not None else {},
         video_index=video_index,
     )
 
@@ -276,9 +275,9 @@ def test_connect_matches_ctr_frame_per_frame_and_merges_linearly():
     extra = torch.randn(t * h * w, 3)
     tokens = grid_tokens(embeds.reshape(-1, 8), (t, h, w), mrope=True)
     tokens.extras["side"] = extra
-    plugin = StreamingTOMCTR(StreamingTOMCTRParams(), 0.5)
+    plugin = StreamingTOMCTR().bind(0.5)
     ctx = context(attn)
-    out = plugin.vtc_connect(tokens=tokens, ctx=ctx)
+    out = plugin.connect(tokens, ctx)
     assert len(out) == plugin.retained_count(len(tokens), (t, h, w), "qwen2_vl") == t * 6
     assert ctx.reports["static"] == [[0, 6, 6, 6]]
     g = gen(0)
@@ -298,86 +297,87 @@ def test_connect_matches_ctr_frame_per_frame_and_merges_linearly():
     # side features follow the same linear map: an identity-featured side channel reproduces the embeds' map
     tokens2 = grid_tokens(embeds.reshape(-1, 8), (t, h, w), mrope=True)
     tokens2.extras["side"] = embeds.reshape(-1, 8).clone()
-    out2 = plugin.vtc_connect(tokens=tokens2, ctx=context(attn))
+    out2 = plugin.connect(tokens2, context(attn))
     torch.testing.assert_close(out2.extras["side"], out2.embeds)
     assert out.extras["side"].shape == (t * 6, 3)
 
 
 def test_previous_frame_carries_across_calls():
-    """Two consecutive chunks of one video with one ctx.store (and one generator) give exactly the one-call result;
-    a fresh store makes the chunk's first frame all dynamic; another video's state is kept apart."""
+    """Two consecutive chunks of one video with one ctx.state (and one generator) give exactly the one-call result;
+    a fresh state makes the chunk's first frame all dynamic; another video's state is kept apart."""
     t, h, w = 4, 3, 4
     embeds, attn = streaming_video(t, h, w, seed=1)
-    plugin = StreamingTOMCTR(StreamingTOMCTRParams(retain_tokens=5), None)
-    whole = plugin.vtc_connect(
-        tokens=grid_tokens(embeds.reshape(-1, 8), (t, h, w)), ctx=context(attn, generator=gen(3))
-    )
-    store, g = {}, gen(3)
+    plugin = StreamingTOMCTR(retain_tokens=5).bind(None)
+    whole = plugin.connect(grid_tokens(embeds.reshape(-1, 8), (t, h, w)), context(attn, generator=gen(3)))
+    state, g = {}, gen(3)
     outs = []
     for chunk in (slice(0, 2), slice(2, 4)):
         tokens = grid_tokens(embeds[chunk].reshape(-1, 8), (2, h, w))
-        ctx = context(attn[chunk], store=store, generator=g)
-        outs.append(plugin.vtc_connect(tokens=tokens, ctx=ctx))
-        assert torch.equal(store[previous_key(0)], embeds[chunk][-1])  # the original last frame, not its output
+        ctx = context(attn[chunk], state=state, generator=g)
+        outs.append(plugin.connect(tokens, ctx))
+        assert torch.equal(state[previous_key(0)], embeds[chunk][-1])  # the original last frame, not its output
     assert torch.equal(torch.cat([o.embeds for o in outs]), whole.embeds)
     assert torch.equal(torch.cat([o.patch for o in outs]), whole.patch)
-    # the second chunk alone, with a fresh store: its first frame has no previous frame
+    # the second chunk alone, with a fresh state: its first frame has no previous frame
     fresh = context(attn[2:], generator=gen(3))
-    alone = plugin.vtc_connect(tokens=grid_tokens(embeds[2:].reshape(-1, 8), (2, h, w)), ctx=fresh)
+    alone = plugin.connect(grid_tokens(embeds[2:].reshape(-1, 8), (2, h, w)), fresh)
     keep, _ = ctr_frame(embeds[2], None, attn[2], 5)
     assert alone.patch[:5].tolist() == keep.tolist()
     assert fresh.reports["static"] == [[0, 6]] and not torch.equal(alone.embeds, outs[1].embeds)
     # another video of the same prompt (video_index 1) does not see video 0's last frame
-    other = context(attn[2:], store=store, video_index=1, generator=gen(3))
-    again = plugin.vtc_connect(tokens=grid_tokens(embeds[2:].reshape(-1, 8), (2, h, w)), ctx=other)
-    assert torch.equal(again.embeds, alone.embeds) and set(store) == {previous_key(0), previous_key(1)}
+    other = context(attn[2:], state=state, video_index=1, generator=gen(3))
+    again = plugin.connect(grid_tokens(embeds[2:].reshape(-1, 8), (2, h, w)), other)
+    assert torch.equal(again.embeds, alone.embeds) and set(state) == {previous_key(0), previous_key(1)}
 
 
 def test_identity_and_whole_frames():
     t, h, w = 3, 2, 3
     embeds, attn = streaming_video(t, h, w)
     tokens = grid_tokens(embeds.reshape(-1, 8), (t, h, w))
-    full = StreamingTOMCTR(StreamingTOMCTRParams(), 1.0)
-    assert full.vision_stats("qwen2_vl") == [] and full.vtc_connect(tokens=tokens, ctx=Context()) is tokens
-    big = StreamingTOMCTR(StreamingTOMCTRParams(retain_tokens=50), None)  # 50 > 6 tokens per frame: clamped
+    full = StreamingTOMCTR().bind(1.0)
+    assert full.vision_stats("qwen2_vl") == [] and full.connect(tokens, Context()) is tokens
+    big = StreamingTOMCTR(retain_tokens=50).bind(None)  # 50 > 6 tokens per frame: clamped
     assert big.retained_count(18, (t, h, w), "llava_onevision") == 18
-    assert big.vtc_connect(tokens=tokens, ctx=context(attn)) is tokens
-    plugin = StreamingTOMCTR(StreamingTOMCTRParams(), 0.5)
+    assert big.connect(tokens, context(attn)) is tokens
+    plugin = StreamingTOMCTR().bind(0.5)
     assert plugin.vision_stats("llava_onevision") == [RECEIVED]
     with pytest.raises(ValueError, match="streamingtom-ctr needs whole frames"):
-        plugin.vtc_connect(tokens=tokens.select(torch.arange(1, t * h * w)), ctx=context(attn))
+        plugin.connect(tokens.select(torch.arange(1, t * h * w)), context(attn))
     with pytest.raises(RuntimeError, match="attention was not captured"):
-        plugin.vtc_connect(tokens=tokens, ctx=Context(geometry=default_geometry("qwen2_vl")))
+        plugin.connect(tokens, Context(geometry=default_geometry("qwen2_vl")))
 
 
 def test_params_and_counts():
-    p = StreamingTOMCTRParams()
+    p = StreamingTOMCTR()
     assert (p.retain_tokens, p.similarity_threshold, p.k, p.beta, p.delta_to_denser) == (None, 0.9, 7, 0.6, False)
-    assert StreamingTOMCTR(p, None).retained_count(8 * 196, (8, 14, 14), "llava_onevision") == 8 * 50
-    assert StreamingTOMCTR(p, 0.25).retained_count(8 * 196, (8, 14, 14), "llava_onevision") == 8 * 49
-    assert StreamingTOMCTR(p, 0.1).retained_count(4 * 25, (4, 5, 5), "qwen2_vl") == 4 * 2  # round(2.5) = 2
-    assert StreamingTOMCTR(p, 0.001).retained_count(4 * 25, (4, 5, 5), "qwen2_vl") == 4  # at least one per frame
-    explicit = StreamingTOMCTR(StreamingTOMCTRParams(retain_tokens=7), 0.5)
+    assert p.bind(None).retained_count(8 * 196, (8, 14, 14), "llava_onevision") == 8 * 50
+    assert p.bind(0.25).retained_count(8 * 196, (8, 14, 14), "llava_onevision") == 8 * 49
+    assert p.bind(0.1).retained_count(4 * 25, (4, 5, 5), "qwen2_vl") == 4 * 2  # round(2.5) = 2
+    assert p.bind(0.001).retained_count(4 * 25, (4, 5, 5), "qwen2_vl") == 4  # at least one per frame
+    explicit = StreamingTOMCTR(retain_tokens=7).bind(0.5)
     assert explicit.retained_count(8 * 196, (8, 14, 14), "qwen2_vl") == 56 and not explicit.identity
     for bad, match in (
         ({"retain_tokens": 0}, "retain_tokens"),
         ({"retain_tokens": 2.5}, "retain_tokens"),
         ({"similarity_threshold": 1.5}, "similarity_threshold"),
-        ({"k": 0}, "k \\(DPC-kNN"),
+        ({"k": 0}, "k must be in \\[1, inf\\)"),
         ({"beta": -0.1}, "beta"),
     ):
         with pytest.raises(ValueError, match=match):
-            StreamingTOMCTRParams(**bad)
+            StreamingTOMCTR(**bad)
 
 
 def test_method_info():
-    info = vtc.registry()["streamingtom-ctr"]
+    cls = vtc.registry()["streamingtom-ctr"]
+    info = cls.card
     assert info.stages == ("connect",) and info.fixed_count and info.fixed_count_mode == "always"
-    assert info.vision_stats and info.needs_whole_frames and not info.query_aware
-    assert info.position_policy == "compact" and info.url == "https://arxiv.org/abs/2510.18269"
-    assert info.conformance_exemptions == {}
-    if hasattr(info, "streams"):
-        assert info.streams
+    assert info.vision_stats and info.whole_frames and not info.query_aware
+    assert info.positions == "compact" and info.url == "https://arxiv.org/abs/2510.18269"
+    assert cls.testing.exemptions == {}
+    assert info.streams and not info.stream_memory and info.owns == frozenset()
+    full = vtc.registry()["streamingtom"].card  # CTR plus OQM, the stream's memory
+    assert full.stages == ("connect",) and full.stream_memory and full.stream_only and full.streams
+    assert full.owns == frozenset({"stream_memory"}) and full.fixed_count_mode == "always" and full.vision_stats
 
 
 @pytest.mark.parametrize("family", ["llava_onevision", "qwen2_vl"])

@@ -17,7 +17,6 @@ from vtc.core.tokens import Context, VideoTokens, frame_groups
 from vtc_plugins.vidcom2 import (
     ALPHAS,
     VidCom2,
-    VidCom2Params,
     fixed_target,
     frame_budgets,
     frame_scales,
@@ -86,26 +85,27 @@ def outlier_video(frames: int = 8, tokens: int = 20, odd: int = 5) -> tuple[torc
 
 
 def test_defaults_match_the_official_code():
-    p = VidCom2Params()
+    p = VidCom2()
     assert p.ratio is None and p.channel_ratio == 0.5 and p.temperature == 0.01
     assert p.alphas == ALPHAS == tuple(2.0**k for k in range(-3, 2))
     assert p.fixed_count is False and p.compute_dtype is None
-    info = vtc.registry()["vidcom2"]
-    assert info.stages == ("connect",) and info.position_policy == "compact" and info.fixed_count
-    assert info.fixed_count_mode == "optional" and not info.query_aware
+    cls = vtc.registry()["vidcom2"]
+    card = cls.card
+    assert card.stages == ("connect",) and card.positions == "compact" and card.fixed_count
+    assert card.fixed_count_mode == "optional" and not card.query_aware
     # post-projector features only: no tower statistics, no pre-pool features, works on thinned frames
-    assert not info.vision_stats and not info.prepool and not info.needs_whole_frames
-    assert info.retention_reference == "llm_input"
-    assert info.factory(p, None).ratio == 0.25  # R_RATIO default
+    assert not card.vision_stats and not card.prepool and not card.whole_frames
+    assert card.retention_reference == "llm_input"
+    assert cls().bind(None).fraction() == 0.25  # R_RATIO default
 
 
 def test_retention_maps_to_r_and_explicit_ratio_wins():
-    assert VidCom2(VidCom2Params(), 0.15).ratio == 0.15
-    assert VidCom2(VidCom2Params(ratio=0.4), 0.15).ratio == 0.4
+    assert VidCom2().bind(0.15).fraction() == 0.15
+    assert VidCom2(ratio=0.4).bind(0.15).fraction() == 0.4
     with pytest.raises(ValueError, match="ratio must be in"):
-        VidCom2Params(ratio=0.0)
+        VidCom2(ratio=0.0)
     with pytest.raises(ValueError, match="compute_dtype"):
-        VidCom2Params(compute_dtype="int8")
+        VidCom2(compute_dtype="int8")
 
 
 def test_frame_groups_keep_each_frames_current_order():
@@ -221,14 +221,14 @@ def test_fixed_count_mode_is_exact_and_reconciles_by_score():
             assert b <= a and all(free.scores[i] >= free.scores[list(b)].max() for i in a - b)
         else:  # the lowest-scored of the rest are added
             assert a <= b and all(free.scores[i] <= free.scores[list(set(range(n)) - b)].min() for i in b - a)
-    plugin = VidCom2(VidCom2Params(fixed_count=True), 0.25)
+    plugin = VidCom2(fixed_count=True).bind(0.25)
     assert plugin.retained_count(1568, (8, 14, 14), "llava_onevision") == 392
     assert plugin.retained_count(1568, (8, 14, 14), "qwen2_vl") == 392  # the same on every family
     assert plugin.retained_count(100, (8, 5, 5), "llava_next_video") == 25
-    one_per_frame = VidCom2(VidCom2Params(fixed_count=True), 0.01)
+    one_per_frame = VidCom2(fixed_count=True).bind(0.01)
     assert one_per_frame.retained_count(200, (8, 5, 5), "llava_next_video") == 8
-    assert VidCom2(VidCom2Params(), 0.25).retained_count(1568, (8, 14, 14), "llava_onevision") is None  # adaptive
-    assert VidCom2(VidCom2Params(), 1.0).retained_count(1568, (8, 14, 14), "llava_onevision") == 1568
+    assert VidCom2().bind(0.25).retained_count(1568, (8, 14, 14), "llava_onevision") is None  # adaptive
+    assert VidCom2().bind(1.0).retained_count(1568, (8, 14, 14), "llava_onevision") == 1568
 
 
 def _ctx(retention=None):
@@ -240,27 +240,27 @@ def test_plugin_identity_budgets_and_dtype():
     x, frame = outlier_video()
     tokens = make_tokens(x.float(), frame, (8, 4, 5))
     ctx = _ctx(1.0)
-    assert VidCom2(VidCom2Params(), 1.0).vtc_connect(tokens=tokens, ctx=ctx) is tokens
+    assert VidCom2().bind(1.0).connect(tokens, ctx) is tokens
     assert ctx.reports == {"budgets": [[20] * 8]}  # ratio 1: every frame keeps its token count, no plan
-    plugin = VidCom2(VidCom2Params(), 0.25)
+    plugin = VidCom2().bind(0.25)
     ctx = _ctx()
-    out = plugin.vtc_connect(tokens=tokens, ctx=ctx)
+    out = plugin.connect(tokens, ctx)
     (plan,) = ctx.reports["plan"]
     assert len(out) == 37 == plan.keep.numel() and ctx.reports["budgets"] == [[4, 4, 4, 4, 4, 9, 4, 4]]
     assert plan.budgets == ctx.reports["budgets"][0]
     assert torch.equal(out.embeds, x.float()[plan.keep])
-    fixed = VidCom2(VidCom2Params(fixed_count=True), 0.25)
+    fixed = VidCom2(fixed_count=True).bind(0.25)
     ctx = _ctx()
-    assert len(fixed.vtc_connect(tokens=tokens, ctx=ctx)) == fixed.retained_count(160, (8, 4, 5), ctx.family) == 40
+    assert len(fixed.connect(tokens, ctx)) == fixed.retained_count(160, (8, 4, 5), ctx.family) == 40
     assert ctx.reports["budgets"] == [[4, 4, 4, 4, 4, 9, 4, 4]]  # k_f before the reconciliation to 40
     assert ctx.reports["plan"][0].keep.numel() == 40
     half = make_tokens(x.bfloat16(), frame, (8, 4, 5))
     ctx = _ctx()
-    plugin.vtc_connect(tokens=half, ctx=ctx)
+    plugin.connect(half, ctx)
     assert ctx.reports["plan"][0].scores.dtype == torch.bfloat16  # the official code scores in the model dtype
-    up = VidCom2(VidCom2Params(compute_dtype="float32"), 0.25)
+    up = VidCom2(compute_dtype="float32").bind(0.25)
     ctx = _ctx()
-    up.vtc_connect(tokens=half, ctx=ctx)
+    up.connect(half, ctx)
     assert ctx.reports["plan"][0].scores.dtype == torch.float32
 
 

@@ -8,7 +8,7 @@ import torch
 
 import vtc
 from tests.conftest import model_and_processor, single_inputs
-from tests.probes import ConnectSpy, connect_inputs, install_spy
+from tests.probes import PrepoolSpy, connect_inputs, install_spy
 from vtc.core.vision_stats import VisionStat
 from vtc.hf.adapters.base import encoder_layers
 
@@ -134,7 +134,7 @@ def test_capture_is_removed_on_unpatch():
     model, _ = model_and_processor("llava_onevision")
     config = model.config.vision_config
     before = config._attn_implementation
-    patch = install_spy(model, ConnectSpy([VisionStat("received", -1)], prepool=True))
+    patch = install_spy(model, PrepoolSpy((VisionStat("received", -1),)))
     assert config._attn_implementation == "vtc_sdpa"
     patch.remove()
     assert config._attn_implementation == before

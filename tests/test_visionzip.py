@@ -19,7 +19,6 @@ from vtc.core.tokens import Context
 from vtc.core.vision_stats import VisionStat
 from vtc_plugins.visionzip import (
     VisionZip,
-    VisionZipParams,
     contextual_features,
     frame_tokens,
     select_frame,
@@ -70,36 +69,37 @@ def test_split_counts_use_the_54_64_dominant_ratio():
 
 
 def test_params_defaults_and_validation():
-    p = VisionZipParams()
+    p = VisionZip()
     assert p.tokens_per_frame is None and p.dominant_ratio == 54 / 64 and p.merge_before_projector
     with pytest.raises(ValueError, match="both"):
-        VisionZipParams(dominant=10)
+        VisionZip(dominant=10)
     with pytest.raises(ValueError, match="not both"):
-        VisionZipParams(tokens_per_frame=10, dominant=5, contextual=5)
+        VisionZip(tokens_per_frame=10, dominant=5, contextual=5)
     with pytest.raises(ValueError, match="dominant_ratio"):
-        VisionZipParams(dominant_ratio=1.5)
+        VisionZip(dominant_ratio=1.5)
     with pytest.raises(ValueError, match="tokens_per_frame"):
-        VisionZipParams(tokens_per_frame=0)
+        VisionZip(tokens_per_frame=0)
 
 
 def test_retained_count_is_fixed_per_frame():
-    plugin = VisionZip(VisionZipParams(), 0.10)
+    plugin = VisionZip().bind(0.10)
     assert plugin.retained_count(32 * 196, (32, 14, 14), "llava_onevision") == 32 * 20
     assert plugin.retained_count(32 * 196, (32, 14, 14), "qwen2_vl") == 32 * 20  # the grid decides, not the family
-    fixed = VisionZip(VisionZipParams(tokens_per_frame=50), 0.10)
+    fixed = VisionZip(tokens_per_frame=50).bind(0.10)
     assert fixed.retained_count(8 * 196, (8, 14, 14), "llava_onevision") == 400
-    explicit = VisionZip(VisionZipParams(dominant=54, contextual=10), None)
+    explicit = VisionZip(dominant=54, contextual=10).bind(None)
     assert explicit.retained_count(4 * 144, (4, 12, 12), "llava_next_video") == 256
-    assert VisionZip(VisionZipParams(), 1.0).retained_count(4 * 144, (4, 12, 12), "llava_next_video") == 4 * 144
+    assert VisionZip().bind(1.0).retained_count(4 * 144, (4, 12, 12), "llava_next_video") == 4 * 144
     assert plugin.retained_count(100, (32, 14, 14), "llava_onevision") is None  # thinned by an earlier plugin
-    info = vtc.registry()["visionzip"]
-    assert info.stages == ("connect",) and info.fixed_count and info.position_policy == "compact"
-    assert info.fixed_count_mode == "always"
-    assert not info.query_aware
+    cls = vtc.registry()["visionzip"]
+    card = cls.card
+    assert card.stages == ("connect",) and card.fixed_count and card.positions == "compact"
+    assert card.fixed_count_mode == "always"
+    assert not card.query_aware
     # reads tower attention and keys; LLaVA-NeXT-Video merges CLIP features before the projector (pre-pool)
-    assert info.vision_stats and info.prepool and not info.needs_whole_frames
-    assert info.retention_reference == "llm_input" and info.retention_note
-    assert set(info.conformance_exemptions) == {"ordered_positions"}  # the port's per-frame order on LLaVA
+    assert card.vision_stats and card.prepool and not card.whole_frames
+    assert card.retention_reference == "llm_input" and card.retention_note
+    assert set(cls.testing.exemptions) == {"ordered_positions"}  # the port's per-frame order on LLaVA
 
 
 # --- the per-frame selection --------------------------------------------------------------------------------------
@@ -175,8 +175,8 @@ def test_vision_stats_follow_the_towers_cls_token():
     assert vision_stats_for(default_geometry("llava_next_video")) == cls_form  # CLIP: the official CLS row
     for family in ("llava_onevision", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
         assert vision_stats_for(default_geometry(family)) == received_form
-        assert VisionZip(VisionZipParams(), None).vision_stats(family) == received_form
-    assert VisionZip(VisionZipParams(), None).vision_stats("llava_next_video") == cls_form
+        assert VisionZip().bind(None).vision_stats(family) == received_form
+    assert VisionZip().bind(None).vision_stats("llava_next_video") == cls_form
     # the geometry decides, not the family name: a CLS tower on a LLaVA-OneVision-like grid asks for the CLS row
     clip_like = FamilyGeometry("llava_onevision", mrope=False, patch_grid=(24, 24), cls_tokens=1, pooling="average")
     assert vision_stats_for(clip_like) == cls_form
@@ -225,7 +225,7 @@ def test_connect_per_frame_order_and_features(mrope):
     embeds = torch.randn(48, 8, generator=torch.Generator().manual_seed(1))
     tokens = grid_tokens(embeds, grid, mrope)
     ctx, vision = _qwen_context(grid)
-    out = VisionZip(VisionZipParams(tokens_per_frame=6), None).vtc_connect(tokens=tokens, ctx=ctx)
+    out = VisionZip(tokens_per_frame=6).bind(None).connect(tokens, ctx)
     dominant, contextual = split_counts(6)
     expected, kept = [], []
     for f in range(3):
@@ -252,9 +252,9 @@ def test_connect_keeps_everything_at_full_budget():
     grid = (2, 3, 3)
     tokens = grid_tokens(torch.randn(18, 4), grid)
     ctx, _ = _qwen_context(grid)
-    plugin = VisionZip(VisionZipParams(), 1.0)
-    assert plugin.vtc_connect(tokens=tokens, ctx=ctx) is tokens
-    assert VisionZip(VisionZipParams(tokens_per_frame=9), None).vtc_connect(tokens=tokens, ctx=ctx) is tokens
+    plugin = VisionZip().bind(1.0)
+    assert plugin.connect(tokens, ctx) is tokens
+    assert VisionZip(tokens_per_frame=9).bind(None).connect(tokens, ctx) is tokens
 
 
 def test_connect_on_frames_an_earlier_plugin_thinned():
@@ -262,12 +262,12 @@ def test_connect_on_frames_an_earlier_plugin_thinned():
     tokens = grid_tokens(torch.randn(32, 4), grid)
     thinned = tokens.select(torch.tensor(list(range(0, 16, 4)) + list(range(16, 32))))  # frame 0: 4 tokens
     ctx, _ = _qwen_context(grid)
-    out = VisionZip(VisionZipParams(tokens_per_frame=6), None).vtc_connect(tokens=thinned, ctx=ctx)
+    out = VisionZip(tokens_per_frame=6).bind(None).connect(thinned, ctx)
     assert int((out.frame == 0).sum()) == 4 and int((out.frame == 1).sum()) == 6
 
 
 def visionzip_stats(family):
-    return VisionZip(VisionZipParams(), None).vision_stats(family)
+    return VisionZip().bind(None).vision_stats(family)
 
 
 # --- the patched models -------------------------------------------------------------------------------------------
@@ -334,12 +334,12 @@ def test_pre_projector_merge_follows_the_geometry():
     tokens, ctx = connect_inputs(model, inputs, visionzip_stats(family), prepool=True)
     assert ctx.geometry.pool_before_projector and ctx.prepool is not None and ctx.pool is not None
     t, h, w = tokens.grid
-    plugin = VisionZip(VisionZipParams(), 0.2)
+    plugin = VisionZip().bind(0.2)
     with torch.no_grad():
-        before = plugin.vtc_connect(tokens=tokens, ctx=ctx)
+        before = plugin.connect(tokens, ctx)
         after_geometry = dataclasses.replace(ctx.geometry, pool_before_projector=False)
-        after = plugin.vtc_connect(tokens=tokens, ctx=dataclasses.replace(ctx, geometry=after_geometry))
-        post = VisionZip(VisionZipParams(merge_before_projector=False), 0.2).vtc_connect(tokens=tokens, ctx=ctx)
+        after = plugin.connect(tokens, dataclasses.replace(ctx, geometry=after_geometry))
+        post = VisionZip(merge_before_projector=False).bind(0.2).connect(tokens, ctx)
     assert len(before) == len(after) == len(post) == t * math.ceil(0.2 * h * w)
     assert torch.equal(after.positions, before.positions)  # the same plan, only the merged features differ
     torch.testing.assert_close(after.embeds, post.embeds, rtol=0, atol=0)

@@ -22,9 +22,9 @@ from vtc.testing import tiny
 from vtc.testing.fixtures import model_and_processor
 from vtc.testing.serving import POSITIONS, clear_caches, engine, reconfigure, record_positions, shutdown, video_request
 from vtc.vllm import models as vllm_models
-from vtc.vllm.config import ServeConfig, family_of, servable_methods
+from vtc.vllm.config import ARCHITECTURES, ServeConfig, family_of, servable_methods
 
-FAMILIES = tiny.FAMILIES
+FAMILIES = tuple(dict.fromkeys(ARCHITECTURES.values()))  # the families vtc serves on vLLM (not InternVL yet)
 QUESTION = "What happens in this video?"
 FRAMES = 8
 
@@ -275,7 +275,7 @@ def test_every_serving_method_sizes_the_prompt_to_its_count(engines):
     """Every serving method at 0.25: the prompt is sized to retained_count, and the model kept exactly that."""
     request, stock = engines.requests["one video"], engines.stock["one video"]
     for method in servable_methods():
-        config = {"methods": method, "retention": 0.25, "params": registry()[method].test_params}
+        config = {"methods": method, "retention": 0.25, "params": registry()[method].testing.params}
         reconfigure(engines.llm, config)
         vllm_models.LAST_KEPT.clear()
         got = answer(engines.llm, request, max_tokens=1)

@@ -11,35 +11,53 @@ Layout: `vtc.core` (backend-neutral types, registry, pipeline), `vtc.hf` (the Hu
 `vtc.testing` (tiny offline models).
 """
 
-from vtc import _moved
 from vtc.api import PatchHandle, patch, prepare_inputs
-from vtc.core.hookspecs import hookimpl
-from vtc.core.registry import MethodInfo, registry
+from vtc.core.bases import (
+    DenseMerge,
+    FrameSampler,
+    LayerPruner,
+    Merge,
+    StreamMemoryMethod,
+    TokenMerger,
+    TokenSelector,
+)
+from vtc.core.method import DType, Method, MethodCard, as_dtype, method, param
+from vtc.core.registry import register, registry
 from vtc.core.tokens import Context, VideoTokens
 from vtc.core.vision_stats import VisionStat
 from vtc.streaming import StreamSession, stream
 
 __version__ = "0.1.0"
 
-_moved.install()
 
-
-def methods() -> list[MethodInfo]:
-    """Every installed method (built-in and from the `vtc` entry-point group)."""
-    return registry().infos()
+def methods() -> list[MethodCard]:
+    """The card of every installed method (built-in and from the `vtc` entry-point group)."""
+    return registry().cards()
 
 
 __all__ = [
     "Context",
-    "MethodInfo",
+    "DType",
+    "DenseMerge",
+    "FrameSampler",
+    "LayerPruner",
+    "Merge",
+    "Method",
+    "MethodCard",
     "PatchHandle",
+    "StreamMemoryMethod",
     "StreamSession",
+    "TokenMerger",
+    "TokenSelector",
     "VideoTokens",
     "VisionStat",
-    "hookimpl",
+    "as_dtype",
+    "method",
     "methods",
+    "param",
     "patch",
     "prepare_inputs",
+    "register",
     "registry",
     "stream",
 ]

@@ -4,20 +4,16 @@
 from __future__ import annotations
 
 import contextlib
-import warnings
-import weakref
 from typing import Any, Sequence
 
 import torch
 
-from vtc.core.pipeline import Pipeline
+from vtc.core.pipeline import Pipeline, Spec
 from vtc.core.stats import ForwardStats, StatsRecorder
+from vtc.hf import loading as _loading  # noqa: F401 - registers the checkpoint loaders methods ask for
 from vtc.hf.adapters import resolve_adapter
 from vtc.hf.patching import ModelPatch
 from vtc.media.inputs import prepare_batch, processor_family
-
-# model -> its live handle; weak so a patched model can be garbage-collected
-_HANDLES: "weakref.WeakKeyDictionary[torch.nn.Module, PatchHandle]" = weakref.WeakKeyDictionary()
 
 
 class PatchHandle:
@@ -44,8 +40,6 @@ class PatchHandle:
             return
         self._patch.remove()
         self._patch = None
-        if _HANDLES.get(self.model) is self:
-            del _HANDLES[self.model]
 
     def suspended(self):
         """Context manager: run the model exactly as if unpatched inside the block (for A/B comparisons)."""
@@ -95,17 +89,23 @@ class PatchHandle:
         `messages`: your own chat (one per video, each with one `{"type": "video"}` entry) instead of vtc's
         "video, then question" prompt; `question` is then what query-aware methods read. `images`: the images
         of the chats' image entries (a list per video). `processor_kwargs`: extra arguments of the processor call
-        (e.g. Qwen's `max_pixels`)."""
+        (e.g. Qwen's `max_pixels`).
+
+        A video with fewer frames than asked for (`num_frames`, or the sampler's own) gets what it has, with a
+        `UserWarning` naming both counts; the warning is also in `handle.stats().warnings` of the next prefill."""
         videos, questions = _as_batch(video, question)
         if messages is not None and isinstance(question, str):
             messages, images = [messages], ([images] if images is not None else None)
         args = (processor, videos, questions, self.pipeline, num_frames, fps, system, self.model, self.family)
+        extra = dict(messages=messages, images=images, processor_kwargs=processor_kwargs)
         if self._patch is None:
-            inputs, _ = prepare_batch(*args, messages=messages, images=images, processor_kwargs=processor_kwargs)
+            inputs, _ = prepare_batch(*args, **extra)
             return inputs
+        notes: list[str] = []  # sampling warnings (a video with fewer frames than asked): also in the next stats
         # samplers may run the model itself (QuoTA scores frames with it): not through vtc's own hooks
         with self._patch.suspended():
-            inputs, prepared = prepare_batch(*args, messages=messages, images=images, processor_kwargs=processor_kwargs)
+            inputs, prepared = prepare_batch(*args, **extra, notes=notes)
+        self.recorder.warn_next(notes)
         if self._patch.tokenizer is None:
             self._patch.tokenizer = getattr(processor, "tokenizer", None)
         # one request at a time: what an earlier prepare call computed is dropped (memory stays bounded)
@@ -127,7 +127,7 @@ def _as_batch(video, question) -> tuple[list[Any], list[str]]:
 
 def patch(
     model: torch.nn.Module,
-    methods: str | Sequence[str],
+    methods: Spec,
     retention: float | None = None,
     *,
     positions: str | None = None,
@@ -137,7 +137,8 @@ def patch(
 ) -> PatchHandle:
     """Apply token-compression methods to a HuggingFace video-LLM instance.
 
-    methods:   a spec such as "framefusion" or "uniform+fastv" (see `vtc methods`).
+    methods:   a spec such as "framefusion" or "uniform+fastv" (see `vtc methods`), or method instances:
+               `DivPrune(ratio=0.1)`, `[DivPrune(ratio=0.1), FastV(k=3)]`, `DivPrune() + FastV()`.
     retention: fraction of visual tokens the LLM sees, in (0, 1]; each method maps it onto its own
                parameters (split evenly over several token-reducing methods). None = official defaults.
     positions: "keep" (survivors keep their original positions) or "compact" (renumbered; 1-D RoPE
@@ -145,32 +146,23 @@ def patch(
     processor: optional; lets query-aware methods read the question as text.
     params:    method parameters by name (`k=3`) or qualified (`**{"fastv.k": 3}`).
 
-    Only this instance is changed; `handle.unpatch()` restores it exactly. Patching an already patched
-    model replaces the previous patch (with a warning).
+    Only this instance is changed; `handle.unpatch()` restores it exactly. A model carries one patch: patching
+    it again while a handle is active is refused (compose the methods in one spec, `"a+b"`, or unpatch first).
     """
     adapter = resolve_adapter(model)
     pipeline = Pipeline(methods, retention=retention, params=params, family=adapter.family)
-    previous = _HANDLES.get(model)
-    if previous is not None and previous.active:
-        warnings.warn(
-            f"model was already patched with {previous.pipeline.spec!r}; replacing it with {pipeline.spec!r}",
-            stacklevel=2,
-        )
-        previous.unpatch()
     recorder = StatsRecorder()
     tokenizer = getattr(processor, "tokenizer", processor) if processor is not None else None
     model_patch = ModelPatch(adapter, pipeline, recorder, positions=positions, seed=seed, tokenizer=tokenizer)
-    model_patch.install()
-    handle = PatchHandle(model, pipeline, model_patch, recorder)
-    _HANDLES[model] = handle
-    return handle
+    model_patch.install()  # refuses a model another handle has patched (naming it)
+    return PatchHandle(model, pipeline, model_patch, recorder)
 
 
 def prepare_inputs(
     processor,
     video: Any,
     question: str | Sequence[str],
-    methods: str | Sequence[str] = "uniform",
+    methods: Spec = "uniform",
     num_frames: int | None = None,
     fps: float | None = None,
     system: str | None = None,

@@ -1,7 +1,8 @@
-"""Spec parsing (`"framefusion+quota"`), parameter routing, stage ordering, validation and stage execution.
+"""Spec parsing (`"framefusion+quota"`, or method instances), parameter routing, stage ordering, validation and
+stage execution.
 
-A `Pipeline` is backend-neutral: a backend (the HF patch, later vLLM) binds it to a model family, then calls
-`run_sample`, `run_connect` (the connect engine: plugins in order, each output checked) and `run_prefill`.
+A `Pipeline` is backend-neutral: a backend (the HF patch, vLLM) binds it to a model family, then calls
+`run_sample`, `run_connect` (the connect engine: methods in order, each output checked) and `run_prefill`.
 Everything a pipeline can refuse it refuses when it is built, before any model runs.
 """
 
@@ -12,13 +13,14 @@ import math
 import time
 from typing import Any, Iterable
 
-from vtc.core import hookspecs
-from vtc.core.contract import CAPABILITY_METHODS, LEGACY_ATTRIBUTES
-from vtc.core.registry import ALL_FAMILIES, MethodInfo, Registry, make_plugin_manager, registry
+from vtc.core.families import family_names, get_family
+from vtc.core.method import STAGES, Method, MethodCard
+from vtc.core.registry import Registry, registry
 from vtc.core.stats import StatsRecorder
 from vtc.core.tokens import Context, VideoTokens
 
-STAGE_ORDER = {stage: i for i, stage in enumerate(hookspecs.STAGES)}
+STAGE_ORDER = {stage: i for i, stage in enumerate(STAGES)}
+Spec = str | Method | Iterable[str | Method]
 
 
 def parse_spec(spec: str | Iterable[str]) -> list[str]:
@@ -31,6 +33,36 @@ def parse_spec(spec: str | Iterable[str]) -> list[str]:
     if duplicates:
         raise ValueError(f"method(s) {', '.join(duplicates)} appear twice in spec {spec!r}")
     return names
+
+
+def spec_methods(spec: Spec, methods: Registry) -> list[Method]:
+    """The method instances a spec names: a string `"a+b"` (each method with its default parameters), one
+    instance, or a list of names and instances (`[DivPrune(ratio=0.1), "fastv"]`, `DivPrune() + FastV()`)."""
+    items = [spec] if isinstance(spec, (str, Method)) else list(spec)
+    out: list[Method] = []
+    for item in items:
+        if isinstance(item, Method):
+            if "card" not in type(item).__dict__:
+                raise TypeError(f"{type(item).__name__} is not decorated with @vtc.method, so vtc has no card for it")
+            out.append(item)
+        elif isinstance(item, str):
+            out.extend(_construct(methods[name], {}) for name in parse_spec(item))
+        else:
+            raise TypeError(f"a spec holds method names and method instances, got {type(item).__name__}: {item!r}")
+    if not out:
+        raise ValueError(f"invalid method spec {spec!r}: it names no method")
+    names = [m.card.name for m in out]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"method(s) {', '.join(duplicates)} appear twice in spec {spec!r}")
+    return out
+
+
+def _construct(cls: type[Method], params: dict[str, Any], base: Method | None = None) -> Method:
+    try:
+        return dataclasses.replace(base, **params) if base is not None else cls(**params)
+    except TypeError as err:
+        raise ValueError(f"bad parameters for method {cls.card.name!r}: {err}") from None
 
 
 def validate_retention(retention: float | None) -> float | None:
@@ -60,16 +92,20 @@ def validate_grid(grid: Any) -> tuple[int, int, int]:
 
 @dataclasses.dataclass
 class Entry:
-    info: MethodInfo
-    params: Any
-    retention: float | None
-    plugin: Any
+    """One method of a pipeline: its card, and the pipeline's bound copy of it (holding its retention share)."""
+
+    card: MethodCard
+    method: Method
+
+    @property
+    def retention(self) -> float | None:
+        return self.method.retention
 
 
-def _route_params(infos: list[MethodInfo], params: dict[str, Any]) -> dict[str, dict[str, Any]]:
+def _route_params(methods: list[Method], params: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Send each `field=value` (or `method.field=value`) to the method that declares it."""
-    routed: dict[str, dict[str, Any]] = {info.name: {} for info in infos}
-    fields = {info.name: {f.name for f in dataclasses.fields(info.params)} for info in infos}
+    routed: dict[str, dict[str, Any]] = {m.card.name: {} for m in methods}
+    fields = {m.card.name: {f.name for f in dataclasses.fields(m)} for m in methods}
     for key, value in params.items():
         if "." in key:
             method, field = key.split(".", 1)
@@ -91,44 +127,22 @@ def _route_params(infos: list[MethodInfo], params: dict[str, Any]) -> dict[str, 
     return routed
 
 
-def check_capabilities(info: MethodInfo, plugin: Any) -> None:
-    """The plugin object offers exactly what its MethodInfo declares (nothing vtc would silently ignore)."""
-    for flag, method in CAPABILITY_METHODS.items():
-        declared, offered = getattr(info, flag), callable(getattr(plugin, method, None))
-        if declared and not offered:
-            raise TypeError(f"method {info.name!r} declares {flag}=True but its plugin has no {method}() method")
-        if offered and not declared:
-            raise TypeError(
-                f"method {info.name!r}: its plugin defines {method}() but its MethodInfo does not declare "
-                f"{flag}=True, so vtc would never call it; declare it (or remove the method)"
-            )
-    for attribute, field in LEGACY_ATTRIBUTES.items():
-        if hasattr(plugin, attribute):
-            raise TypeError(
-                f"method {info.name!r}: the plugin attribute {attribute!r} is not read any more; declare "
-                f"MethodInfo({field}=True) instead"
-            )
-    for stage in info.stages:
-        if not callable(getattr(plugin, f"vtc_{stage}", None)):
-            raise TypeError(f"method {info.name!r} declares the {stage} stage but its plugin has no vtc_{stage} hook")
-
-
 def streaming_methods(methods: Registry | None = None) -> list[str]:
     """Names of the methods `vtc.stream` can run (causal connect hooks and streaming memories)."""
-    return [i.name for i in (methods or registry()).infos() if i.streams or i.stream_memory]
+    return [c.name for c in (methods or registry()).cards() if c.streams or c.stream_memory]
 
 
-def check_streaming(infos: list[MethodInfo], streaming: bool, methods: Registry | None = None) -> None:
+def check_streaming(cards: list[MethodCard], streaming: bool, methods: Registry | None = None) -> None:
     """A stream runs only causal connect hooks and one streaming memory; `vtc.patch` runs no stream-only method."""
     if not streaming:
-        only = [i.name for i in infos if i.stream_only]
+        only = [c.name for c in cards if c.stream_only]
         if only:
             raise ValueError(
                 f"{', '.join(only)} is a streaming method (its memory of the stream is the method): run it with "
                 f"vtc.stream(model, processor, {'+'.join(only)!r}, ...) or `vtc stream`, not vtc.patch"
             )
         return
-    bad = [i.name for i in infos if not (i.streams or i.stream_memory)]
+    bad = [c.name for c in cards if not (c.streams or c.stream_memory)]
     if bad:
         raise ValueError(
             f"{', '.join(bad)} cannot stream: a stream sees frames one chunk at a time, with no future frames, no "
@@ -138,19 +152,19 @@ def check_streaming(infos: list[MethodInfo], streaming: bool, methods: Registry 
 
 
 class Pipeline:
-    """An ordered list of method plugins built from a spec, with their parameters.
+    """An ordered list of methods built from a spec, with their parameters.
 
-    Plugins are ordered by the earliest stage each acts in, then by their place in the spec (see
-    `vtc.core.hookspecs`). The overall `retention` is split evenly (geometrically) over the token-reducing
-    plugins, so that composing two of them still leaves `retention` of the visual tokens; a method's own
+    Methods are ordered by the earliest stage each acts in, then by their place in the spec (see
+    `vtc.core.method`). The overall `retention` is split evenly (geometrically) over the token-reducing
+    methods, so that composing two of them still leaves `retention` of the visual tokens; a method's own
     parameters override this mapping. `family` binds the pipeline to a model family: `retained_count` needs it
-    (a count is a pure function of the family, the grid and the parameters), and methods that do not support
-    the family are refused.
+    (a count is a pure function of the family, the grid and the parameters), and methods whose requirements the
+    family does not meet are refused.
     """
 
     def __init__(
         self,
-        spec: str | Iterable[str],
+        spec: Spec,
         retention: float | None = None,
         params: dict[str, Any] | None = None,
         methods: Registry | None = None,
@@ -158,39 +172,28 @@ class Pipeline:
         streaming: bool = False,
     ) -> None:
         methods = methods or registry()
-        names = parse_spec(spec)
-        infos = [methods[name] for name in names]
-        self.spec = "+".join(names)
+        given = spec_methods(spec, methods)
+        self.spec = "+".join(m.card.name for m in given)
         self.retention = validate_retention(retention)
         self.family: str | None = None
-        self._check_conflicts(infos)
-        check_streaming(infos, streaming, methods)
-        encoders = [info.name for info in infos if "encode" in info.stages]
+        cards = [m.card for m in given]
+        self._check_conflicts(cards)
+        check_streaming(cards, streaming, methods)
+        encoders = [c.name for c in cards if "encode" in c.stages]
         if encoders:
-            # the hook exists for third-party plugins to target, but no backend calls it yet
+            # the hook exists for third-party methods to target, but no backend calls it yet
             raise ValueError(
                 f"method(s) {', '.join(encoders)} act in the encode stage, which this vtc version does not run "
                 "yet; supported stages: sample, connect, prefill"
             )
 
-        routed = _route_params(infos, params or {})
-        reducers = [info for info in infos if info.reduces_tokens]
+        routed = _route_params(given, params or {})
+        given = [_construct(type(m), routed[m.card.name], m) if routed[m.card.name] else m for m in given]
+        reducers = [c for c in cards if c.reduces_tokens]
         share = self.retention ** (1.0 / len(reducers)) if (self.retention is not None and reducers) else None
 
-        self.pm = make_plugin_manager()
-        ranked = sorted(enumerate(infos), key=lambda p: (min(STAGE_ORDER[s] for s in p[1].stages), p[0]))
-        self.entries: list[Entry] = []
-        for _, info in ranked:
-            try:
-                p = info.params(**routed[info.name])
-            except TypeError as err:
-                raise ValueError(f"bad parameters for method {info.name!r}: {err}") from None
-            plugin_retention = share if info.reduces_tokens else None
-            plugin = info.factory(p, plugin_retention)
-            check_capabilities(info, plugin)
-            self.pm.register(plugin, name=info.name)
-            self.entries.append(Entry(info, p, plugin_retention, plugin))
-        self.pm.check_pending()
+        ranked = sorted(enumerate(given), key=lambda p: (min(STAGE_ORDER[s] for s in p[1].card.stages), p[0]))
+        self.entries: list[Entry] = [Entry(m.card, m.bind(share if m.card.reduces_tokens else None)) for _, m in ranked]
         self._check_order()
         self._stores: dict[str, dict[str, Any]] = {}
         self.begin_prompt()
@@ -198,89 +201,95 @@ class Pipeline:
             self.bind(family)
 
     @staticmethod
-    def _check_conflicts(infos: list[MethodInfo]) -> None:
+    def _check_conflicts(cards: list[MethodCard]) -> None:
         owners: dict[str, str] = {}
-        for info in infos:
-            for decision in info.owns:
+        for card in cards:
+            for decision in card.owns:
                 if decision in owners:
                     raise ValueError(
-                        f"methods {owners[decision]!r} and {info.name!r} both decide {decision.replace('_', ' ')}; "
+                        f"methods {owners[decision]!r} and {card.name!r} both decide {decision.replace('_', ' ')}; "
                         "a pipeline can have only one of them"
                     )
-                owners[decision] = info.name
+                owners[decision] = card.name
 
     def _check_order(self) -> None:
         """A method that needs whole frames must see them: no connect method may run before it."""
         connect = self.stage_entries("connect")
         for i, e in enumerate(connect):
-            if e.info.needs_whole_frames and i > 0:
-                before = ", ".join(x.info.name for x in connect[:i])
+            if e.card.whole_frames and i > 0:
+                before = ", ".join(x.card.name for x in connect[:i])
                 raise ValueError(
-                    f"{e.info.name} needs whole frames (every token of every frame it gets), but {before} would "
-                    f"run before it and remove tokens inside frames; put {e.info.name} first among the connect "
-                    f"methods, e.g. '{'+'.join([e.info.name] + [x.info.name for x in connect if x is not e])}'"
+                    f"{e.card.name} needs whole frames (every token of every frame it gets), but {before} would "
+                    f"run before it and remove tokens inside frames; put {e.card.name} first among the connect "
+                    f"methods, e.g. '{'+'.join([e.card.name] + [x.card.name for x in connect if x is not e])}'"
                 )
 
     # --- binding ---------------------------------------------------------------------------------------------
     def bind(self, family: str) -> None:
-        """Bind to a model family: every method must support it."""
-        if family not in ALL_FAMILIES:
-            raise ValueError(f"unknown family {family!r}; families: {', '.join(ALL_FAMILIES)}")
+        """Bind to a model family: it must offer what every method requires. (The vision-tower statistics a
+        method reads are checked by the backend when it installs their capture: asking for them may load
+        weights, e.g. FastVID's SigLIP head.)"""
+        record = get_family(family)
         for e in self.entries:
-            if family not in e.info.families:
+            missing = record.missing(e.method.requires)
+            if missing:
                 raise ValueError(
-                    f"method {e.info.name!r} does not support {family}; it supports {', '.join(e.info.families)}"
+                    f"method {e.card.name!r} does not support {family}: it needs {', '.join(missing)}, which "
+                    f"{family} does not offer; it supports {', '.join(e.card.families) or '(no registered family)'}"
                 )
         self.family = family
 
     # --- introspection -------------------------------------------------------------------------------------
     def names(self) -> list[str]:
-        return [e.info.name for e in self.entries]
+        return [e.card.name for e in self.entries]
 
     def stage_entries(self, stage: str) -> list[Entry]:
-        return [e for e in self.entries if stage in e.info.stages]
+        return [e for e in self.entries if stage in e.card.stages]
 
     def has_stage(self, stage: str) -> bool:
         return bool(self.stage_entries(stage))
 
     def vision_stats(self, family: str) -> set:
-        """Every vision-tower statistic the connect plugins declared."""
+        """Every vision-tower statistic the connect methods read."""
         stats: set = set()
         for e in self.stage_entries("connect"):
-            if e.info.vision_stats:
-                stats.update(e.plugin.vision_stats(family))
+            stats.update(e.method.vision_stats(family))
         return stats
 
     @property
     def needs_prepool(self) -> bool:
-        return any(e.info.prepool for e in self.stage_entries("connect"))
+        return any(e.card.prepool for e in self.stage_entries("connect"))
 
     @property
     def acts_during_decode(self) -> bool:
-        return any(e.info.acts_during_decode for e in self.stage_entries("prefill"))
+        return any(e.card.during_decode for e in self.stage_entries("prefill"))
+
+    def stream_memory_entry(self) -> Entry | None:
+        """The method that decides what a stream remembers, if any."""
+        return next((e for e in self.entries if e.card.stream_memory), None)
 
     def position_policy(self, override: str | None, mrope: bool) -> str:
-        """'keep' or 'compact' for the connect stage, from the plugins (or the user's override)."""
+        """'keep' or 'compact' for the connect stage, from the methods (or the user's override)."""
         if override is not None:
             if override not in ("keep", "compact"):
                 raise ValueError(f"positions must be 'keep' or 'compact', got {override!r}")
             if override == "compact" and mrope:
                 raise ValueError(
-                    "positions='compact' is only supported on 1-D RoPE families (llava_onevision, "
+                    "positions='compact' is only supported on 1-D RoPE families (e.g. llava_onevision, "
                     "llava_next_video); Qwen M-RoPE families keep each token's original (t, h, w) position"
                 )
             return override
         if mrope:
             return "keep"
         connect = self.stage_entries("connect")
-        return connect[-1].info.position_policy if connect else "keep"
+        return connect[-1].card.positions if connect else "keep"
 
-    def _plugin_count(self, e: Entry, num_tokens: int, grid: tuple[int, int, int], family: str) -> int | None:
-        if not e.info.fixed_count:
+    def _method_count(self, e: Entry, num_tokens: int, grid: tuple[int, int, int], family: str) -> int | None:
+        if not e.card.fixed_count:
             return None
-        count = e.plugin.retained_count(num_tokens, grid, family)
+        count = e.method.retained_count(num_tokens, grid, family)
         if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 0):
-            raise TypeError(f"method {e.info.name!r}: retained_count must return an int >= 0 or None, got {count!r}")
+            raise TypeError(f"method {e.card.name!r}: retained_count must return an int >= 0 or None, got {count!r}")
         return count
 
     def retained_count(self, grid: tuple[int, int, int], family: str | None = None) -> int | None:
@@ -292,81 +301,85 @@ class Pipeline:
         if family is None:
             raise ValueError(
                 "retained_count depends on the model family: bind one with Pipeline(spec, family=...) "
-                f"or pass family=...; families: {', '.join(ALL_FAMILIES)}"
+                f"or pass family=...; families: {', '.join(family_names())}"
             )
         count: int | None = t * h * w
         in_llm = None  # a method whose count is a last-layer count: nothing may reduce after its connect stage
         for e in self.entries:
-            if not e.info.reduces_tokens:
+            if not e.card.reduces_tokens:
                 continue
-            if in_llm is not None and "connect" in e.info.stages:
+            if in_llm is not None and "connect" in e.card.stages:
                 return None  # e thins what in_llm's connect stage left, before in_llm acts in the LLM
-            count = self._plugin_count(e, count, (t, h, w), family)
+            count = self._method_count(e, count, (t, h, w), family)
             if count is None:
                 return None
-            if e.info.acts_in_llm:
+            if e.card.acts_in_llm:
                 in_llm = e
         return count
 
     # --- execution -----------------------------------------------------------------------------------------
     def begin_prompt(self) -> None:
-        """Start a new prompt: every plugin gets a fresh `ctx.store`."""
-        self._stores = {e.info.name: {} for e in self.entries}
+        """Start a new prompt: every method gets a fresh `ctx.state`."""
+        self._stores = {e.card.name: {} for e in self.entries}
 
-    def _call(self, e: Entry, hook: str, ctx: Context, recorder: StatsRecorder | None, **kwargs: Any) -> Any:
-        """Call one plugin hook with its own `ctx.store`, then hand what it reported to the recorder."""
-        ctx.store = self._stores.setdefault(e.info.name, {})
-        ctx.reports = {}
-        out = getattr(e.plugin, hook)(ctx=ctx, **kwargs)
+    def _call(self, e: Entry, hook: str, ctx: Context, recorder: StatsRecorder | None, arg: Any) -> Any:
+        """Call one method's hook with its own view of the context (its state, its prepared data, its reports),
+        then hand what it reported to the recorder."""
+        name = e.card.name
+        own = ctx.replace(state=self._stores.setdefault(name, {}), prepared=ctx.prepared.get(name, {}), reports={})
+        out = getattr(e.method, hook)(arg, own)
         if recorder is not None:
-            recorder.report(e.info.name, ctx.reports)
+            recorder.report(name, own.reports)
         return out
 
-    def run_sample(self, video, ctx: Context) -> list[int] | None:
+    def run_sample(self, video, ctx: Context) -> tuple[list[int], dict[str, Any]] | None:
+        """The sampler's frame indices and what it prepared for later stages (None without a sampler)."""
         for e in self.stage_entries("sample"):
-            return self._call(e, "vtc_sample", ctx, None, video=video)
+            state: dict[str, Any] = {}
+            own = ctx.replace(state=state, prepared={}, reports={})
+            return e.method.sample(video, own), {e.card.name: state} if state else {}
         return None
 
     def run_connect(self, tokens: VideoTokens, ctx: Context, recorder: StatsRecorder | None) -> VideoTokens:
-        """The connect engine: one video's tokens through every connect plugin, in order, each output checked."""
+        """The connect engine: one video's tokens through every connect method, in order, each output checked."""
         for e in self.stage_entries("connect"):
             n_in = len(tokens)
             start = time.perf_counter()
-            out = self._call(e, "vtc_connect", ctx, recorder, tokens=tokens)
+            out = self._call(e, "connect", ctx, recorder, tokens)
             seconds = time.perf_counter() - start
             self._check_output(e, tokens, out, ctx)
             if out is not tokens:
-                out.log.append((e.info.name, n_in, len(out)))
+                out.log.append((e.card.name, n_in, len(out)))
             if recorder is not None:
-                recorder.record("connect", e.info.name, n_in, len(out), seconds)
+                recorder.record("connect", e.card.name, n_in, len(out), seconds)
             tokens = out
         return tokens
 
     def _check_output(self, e: Entry, tokens: VideoTokens, out: Any, ctx: Context) -> None:
-        name = e.info.name
+        name = e.card.name
         if not isinstance(out, VideoTokens):
-            raise TypeError(f"plugin {name!r}: vtc_connect must return VideoTokens, got {type(out).__name__}")
+            raise TypeError(f"method {name!r}: connect must return VideoTokens, got {type(out).__name__}")
         if out is tokens:
             return
         out.validate()
         if len(tokens) and not len(out):
-            raise RuntimeError(f"plugin {name!r} returned no tokens for a video of {len(tokens)}: keep at least one")
+            raise RuntimeError(f"method {name!r} returned no tokens for a video of {len(tokens)}: keep at least one")
         if out.grid != tokens.grid:
-            raise RuntimeError(f"plugin {name!r} changed the video's grid {tokens.grid} -> {out.grid}; keep it")
-        if e.info.reduces_tokens and e.info.fixed_count and not e.info.acts_in_llm and ctx.family is not None:
-            promised = self._plugin_count(e, len(tokens), tokens.grid, ctx.family)
+            raise RuntimeError(f"method {name!r} changed the video's grid {tokens.grid} -> {out.grid}; keep it")
+        if e.card.reduces_tokens and e.card.fixed_count and not e.card.acts_in_llm and ctx.family is not None:
+            promised = self._method_count(e, len(tokens), tokens.grid, ctx.family)
             if promised is not None and promised != len(out):
                 raise RuntimeError(
-                    f"plugin {name!r} promised {promised} tokens (retained_count({len(tokens)}, {tokens.grid}, "
+                    f"method {name!r} promised {promised} tokens (retained_count({len(tokens)}, {tokens.grid}, "
                     f"{ctx.family!r})) but returned {len(out)}; note that tokens.grid is the original grid while "
                     "num_tokens is what earlier methods left"
                 )
 
     def run_prefill(self, state, ctx: Context, recorder: StatsRecorder | None, decoding: bool = False) -> None:
         for e in self.stage_entries("prefill"):
-            if decoding and not e.info.acts_during_decode:
+            if decoding and not e.card.during_decode:
                 continue
             start = time.perf_counter()
-            self._call(e, "vtc_prefill", ctx, recorder, state=state)
+            self._call(e, "prefill", ctx, recorder, state)
             if recorder is not None:
-                recorder.add_seconds("prefill", e.info.name, time.perf_counter() - start)
+                recorder.add_seconds("prefill", e.card.name, time.perf_counter() - start)

@@ -1,4 +1,5 @@
-"""The state that flows between stages: `VideoTokens` (one video's visual tokens) and `Context`.
+"""The state that flows between stages: `VideoTokens` (one video's visual tokens), `TokenLayout` (the
+sequence inside the LLM) and `Context`.
 
 A `connect` plugin receives a `VideoTokens`, returns a `VideoTokens`, and never needs to know which model
 produced it. Every per-token field is kept aligned by the operations plugins use (`select`, `merge`,
@@ -9,7 +10,7 @@ token they belong to. Views (`frame_groups`, `grid_index`) give the frame struct
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
@@ -242,18 +243,25 @@ class VideoTokens:
         keep: Tensor,
         keep_weight: Tensor,
         src: Tensor,
-        src_weight: Tensor,
+        src_weight: Tensor | Sequence[Tensor],
         embeds: Tensor | None = None,
         allow_repeats: bool = False,
     ) -> "VideoTokens":
         """Like `merge`, with the merge as a dense matrix: new_j = keep_weight[j] * x[keep[j]] + sum_i
         src_weight[j, i] * x[src[i]] (src_weight [K, S]), computed in float32 and cast back (transport-plan
         merges such as AOT's). `embeds`, when given, replaces the computed features; `extras` always follow the
-        map. Each source counts (`weight`) for the output it gives the most to."""
+        map. Each source counts (`weight`) for the output it gives the most to.
+
+        A block-diagonal map (frames or clips merged each on their own) may be given by its diagonal blocks: a
+        list of [K_b, S_b] matrices, in order, for consecutive runs of `keep` and of `src` (sum K_b = K, sum S_b =
+        S). The map is then applied block by block and never built whole (the same float32 arithmetic per
+        block); a block without sources (S_b = 0) only scales its tokens by `keep_weight`, in their own dtype."""
         device = self.embeds.device
         keep = keep.to(device, torch.long)
         src = src.to(device, torch.long)
         keep_weight = keep_weight.to(device, torch.float32)
+        if isinstance(src_weight, (list, tuple)):
+            return self._merge_blocks(keep, keep_weight, src, list(src_weight), embeds, allow_repeats)
         src_weight = src_weight.to(device, torch.float32)
         if src_weight.shape != (keep.numel(), src.numel()):
             raise ValueError(
@@ -270,6 +278,52 @@ class VideoTokens:
         new.weight = weight.to(self.weight.dtype)
         return new
 
+    def _merge_blocks(
+        self,
+        keep: Tensor,
+        keep_weight: Tensor,
+        src: Tensor,
+        blocks: list[Tensor],
+        embeds: Tensor | None,
+        allow_repeats: bool,
+    ) -> "VideoTokens":
+        """`merge_dense` with the map given by its diagonal blocks (see there)."""
+        blocks = [b.to(keep.device, torch.float32) for b in blocks]
+        if any(b.dim() != 2 for b in blocks):
+            raise ValueError("merge_dense: each diagonal block of src_weight must be a [K_b, S_b] matrix")
+        rows, cols = [b.shape[0] for b in blocks], [b.shape[1] for b in blocks]
+        if sum(rows) != keep.numel() or sum(cols) != src.numel():
+            raise ValueError(
+                f"merge_dense: the diagonal blocks of src_weight cover [{sum(rows)}, {sum(cols)}], but there are "
+                f"{keep.numel()} kept tokens and {src.numel()} sources"
+            )
+        parts = list(zip(keep.split(rows), keep_weight.split(rows), src.split(cols), blocks))
+
+        def mix(x: Tensor) -> Tensor:
+            if not parts:
+                return x[keep]
+            out = []
+            for k, kw, s, b in parts:
+                if s.numel():
+                    out.append(dense_mix(x, k, kw, s, b))
+                else:  # nothing merges into these tokens: scaled, in x's dtype (exact for unit weights)
+                    out.append(x[k] * kw.to(x.dtype).view(-1, *([1] * (x.dim() - 1))))
+            return torch.cat(out)
+
+        new = self.select(keep, allow_repeats=allow_repeats)
+        new.embeds = mix(self.embeds) if embeds is None else embeds
+        new.extras = {name: mix(t) for name, t in self.extras.items()}
+        weight = new.weight.float()
+        start = 0
+        for (_, _, s, b), n in zip(parts, rows):
+            if s.numel():
+                gives = b.sum(dim=0) > 0  # as the dense form: each source counts for the output it feeds most
+                if bool(gives.any()):
+                    weight = weight.scatter_add(0, start + b[:, gives].argmax(dim=0), self.weight[s[gives]].float())
+            start += n
+        new.weight = weight.to(self.weight.dtype)
+        return new
+
     def validate(self) -> None:
         """Raise if per-token fields disagree in length (a plugin bug, caught before it reaches the LLM)."""
         n = len(self)
@@ -283,8 +337,50 @@ class VideoTokens:
 
 
 @dataclasses.dataclass
+class TokenLayout:
+    """Per-slot bookkeeping of the sequence inside the LLM; every field is [B, n].
+
+    index: position of the slot's token in the sequence that entered the LLM (gathers RoPE rows, and
+           relates slots to the KV cache of earlier layers)
+    valid: a real token (False for padding)
+    visual: a compressible visual token; frame/patch/video are -1 elsewhere
+    frame: frame (temporal index of the token grid); patch: spatial index within the frame (row * W + col)
+    video: which video of the batch row the token belongs to (0, 1, ...)
+    tags: connect plugins' labels (`VideoTokens.tags`), -1 elsewhere
+    """
+
+    index: Tensor
+    valid: Tensor
+    visual: Tensor
+    frame: Tensor
+    patch: Tensor
+    video: Tensor
+    tags: dict[str, Tensor] = dataclasses.field(default_factory=dict)
+
+    def gather(self, idx: Tensor, valid: Tensor) -> TokenLayout:
+        fields = {
+            f.name: torch.gather(getattr(self, f.name), 1, idx) for f in dataclasses.fields(self) if f.name != "tags"
+        }
+        fields["valid"] = valid
+        fields["visual"] = fields["visual"] & valid
+        return TokenLayout(**fields, tags={name: torch.gather(t, 1, idx) for name, t in self.tags.items()})
+
+    @property
+    def num_visual(self) -> int:
+        return int((self.visual & self.valid).sum())
+
+    def video_slots(self, row: int) -> dict[int, Tensor]:
+        """Slots of each video of batch row `row`: video index -> visual slot indices, ascending."""
+        visual = self.visual[row] & self.valid[row]
+        return {
+            int(v): torch.nonzero(visual & (self.video[row] == v)).flatten()
+            for v in torch.unique(self.video[row][visual]).tolist()
+        }
+
+
+@dataclasses.dataclass(frozen=True)
 class Context:
-    """What a stage knows besides the tokens: the question, the budget, the model's geometry, the plugin's state.
+    """What a hook knows besides the tokens, for one video: read-only (the pipeline hands each hook its own).
 
     question: the text the user asked about this video (the prompt text after the video); the `sample` stage
         gets it from the caller, later stages from the prompt tokens (`question_ids`, and lazily
@@ -292,17 +388,17 @@ class Context:
     family / geometry: the model family, and how its vision tower lands on the token grid (`FamilyGeometry`).
     video_index: position of this video among the videos of the current forward (0 = the first).
     generator: seeded afresh for every video (`vtc.patch(..., seed=0)`): same video, same random choices.
-    vision: the vision-tower statistics the plugin declared (`vision_stats`), one tensor per frame of this video.
+    vision: the vision-tower statistics the method declared (`vision_stats`), one tensor per frame of this video.
     prepool / pool / project: the frame features before the LLaVA pooling ([F, h, w, D]), the model's pooling
-        (plus the projector on LLaVA-NeXT-Video) and the projector still to apply to them (plugins declaring
+        (plus the projector on LLaVA-NeXT-Video) and the projector still to apply to them (methods with
         `prepool`; None on Qwen families, whose 2x2 merge is inside the vision tower).
-    prepared: what the sample stage prepared for this prompt in `handle.prepare`, by method name.
     num_frames / processor: the sample stage's frame request (None: the method's default) and the processor.
-    store: this plugin's own state for the current prompt: a dict that is fresh for every prompt and shared by
-        all of the plugin's hooks of that prompt (every video's connect call, every prefill and decode call).
-    report(**values): show a decision in `handle.stats().reports[method][name]` (appended, one entry per call);
-        `reports` holds what the current hook call reported.
-    extra: free-form, for third-party plugins (vtc itself puts nothing there).
+    state: the method's own state for the current prompt, handed to it by the pipeline: a dict that is fresh
+        for every prompt and shared by all of the method's hooks of that prompt (every video's connect call,
+        every prefill and decode call); in a `vtc.stream` session it lives as long as the stream.
+    prepared: what the method's own sample hook left in `ctx.state` for this video in `handle.prepare`.
+    report(**values): show a decision in `handle.stats().reports[method][name]` (appended, one entry per call).
+    extra: free-form, for third-party methods (vtc itself puts nothing there).
     """
 
     retention: float | None = None
@@ -321,18 +417,22 @@ class Context:
     prepared: dict[str, Any] = dataclasses.field(default_factory=dict)
     num_frames: int | None = None
     processor: Any = None
-    store: dict[str, Any] = dataclasses.field(default_factory=dict)
+    state: dict[str, Any] = dataclasses.field(default_factory=dict)
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
-    reports: dict[str, list[Any]] = dataclasses.field(default_factory=dict)
-    _question_embeds: Tensor | None = dataclasses.field(default=None, repr=False)
+    reports: dict[str, list[Any]] = dataclasses.field(default_factory=dict, repr=False)
+    _cache: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
+
+    def replace(self, **changes: Any) -> Context:
+        """A copy with some fields changed (what the backends do per video, and the pipeline per method)."""
+        return dataclasses.replace(self, **changes)
 
     @property
     def question_embeds(self) -> Tensor | None:
         """Token embeddings of the question (the LLM's own input embeddings), computed on first use."""
-        if self._question_embeds is None and self.question_ids is not None and self.embed_fn is not None:
+        if "question_embeds" not in self._cache and self.question_ids is not None and self.embed_fn is not None:
             with torch.no_grad():
-                self._question_embeds = self.embed_fn(self.question_ids)
-        return self._question_embeds
+                self._cache["question_embeds"] = self.embed_fn(self.question_ids)
+        return self._cache.get("question_embeds")
 
     def report(self, **values: Any) -> None:
         """Record decisions for `handle.stats().reports` (e.g. `ctx.report(kept=n, budgets=[...])`): each call

@@ -6,6 +6,8 @@ from typing import Any
 
 import torch
 
+from vtc.core.loading import register_loader
+
 DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -40,3 +42,15 @@ def load_model(name_or_path: str, dtype: str = "auto", device: str = "auto", **f
     model = AutoModelForImageTextToText.from_pretrained(name_or_path, **kwargs).eval()
     processor = AutoProcessor.from_pretrained(name_or_path)
     return model, processor
+
+
+def load_siglip_vision(name_or_path: str, dtype: torch.dtype = torch.float32):
+    """(SigLIP vision model, loading info) of a SigLIP checkpoint (a SiglipModel checkpoint loads too: its text
+    weights are reported as unexpected)."""
+    from transformers import SiglipVisionModel
+
+    return SiglipVisionModel.from_pretrained(name_or_path, dtype=dtype, output_loading_info=True)
+
+
+register_loader("vlm", load_model)
+register_loader("siglip_vision", load_siglip_vision)

@@ -32,11 +32,35 @@ from vtc.hf.vision import VisionCapture
 
 Tensor = torch.Tensor
 
-# models with vtc hooks installed now (weak: a patched model can be garbage-collected); vtc.stream refuses them
-PATCHED_MODELS: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+# models with vtc hooks installed now, each with the patch that installed them (weak: a patched model can be
+# garbage-collected); a second patch of the same model is refused (`ModelPatch.install`), and so is vtc.stream
+PATCHED_MODELS: "weakref.WeakKeyDictionary[torch.nn.Module, ModelPatch]" = weakref.WeakKeyDictionary()
 
-# outer-model forward arguments that describe the media (kept for the adapters)
-MEDIA_KWARGS = ("video_grid_thw", "second_per_grid_ts", "pixel_values_videos", "mm_encoder_outputs")
+# models with an open `vtc.stream` session, each with its open sessions (`StreamSession` registers itself when it
+# opens and leaves in `close()`; weak both ways, so neither a model nor an abandoned session is kept alive). A
+# stream runs the model's own forward chunk by chunk and reads its outputs, so a patch installed meanwhile would
+# rewrite what the stream reads: `ModelPatch.install` refuses such a model
+OPEN_STREAMS: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.WeakSet]" = weakref.WeakKeyDictionary()
+
+
+def open_streams(model: torch.nn.Module) -> list[Any]:
+    """The `vtc.stream` sessions open on `model` now."""
+    return [s for s in OPEN_STREAMS.get(model, ()) if not getattr(s, "closed", False)]
+
+
+def media_kwargs() -> tuple[str, ...]:
+    """Outer-model forward arguments that describe the media, of every registered family (each adapter keeps its
+    own family's, `Family.media_kwargs`, via `Adapter.capture`)."""
+    from vtc.core.families import families
+
+    return tuple(dict.fromkeys(k for family in families() for k in family.media_kwargs))
+
+
+def __getattr__(name: str):
+    # `MEDIA_KWARGS`: the union of every family's media arguments, read from the family registry on use
+    if name == "MEDIA_KWARGS":
+        return media_kwargs()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclasses.dataclass
@@ -94,9 +118,44 @@ class ModelPatch:
         self._final_counts = None  # per-video visual tokens at the last layer of the current prefill
 
     # --- install / remove -------------------------------------------------------------------------------------
+    def describe(self) -> str:
+        """The handle this patch belongs to, as `PatchHandle.__repr__` shows it."""
+        return f"PatchHandle({self.pipeline.spec!r}, retention={self.pipeline.retention}, active)"
+
     def install(self) -> None:
         adapter = self.adapter
-        PATCHED_MODELS.add(adapter.model)
+        active = PATCHED_MODELS.get(adapter.model)
+        if active is not None and active is not self:
+            # two patches would both hook the model: the sequence is compressed by one of them, and unpatching
+            # either leaves the other's handle reporting a state the model is not in
+            spec = self.pipeline.spec
+            raise ValueError(
+                f"this model is already patched by {active.describe()}; vtc applies one patch per model. Compose "
+                f"the methods in one spec instead, e.g. vtc.patch(model, '{active.pipeline.spec}+{spec}', "
+                f"retention=...) (methods run by stage, then in the order given), or call handle.unpatch() on the "
+                f"active handle first and then vtc.patch(model, {spec!r}, ...)"
+            )
+        streams = open_streams(adapter.model)
+        if streams:
+            # the stream encodes its chunks with the model's own forward: the patch's hooks would compress them
+            # too, and the stream's rows would no longer match what it reads back
+            raise ValueError(
+                f"this model has an open vtc.stream session ({', '.join(map(repr, streams))}); vtc.patch and a "
+                "stream cannot share a model: close the stream first (session.close(), or leave its `with` block), "
+                f"then vtc.patch(model, {self.pipeline.spec!r}, ...), or patch another instance of the model"
+            )
+        PATCHED_MODELS[adapter.model] = self
+        try:
+            self._install()
+        except BaseException:
+            self.remove()  # a patch that failed half-way leaves no hook and no mark behind
+            raise
+
+    def _install(self) -> None:
+        adapter = self.adapter
+        record = adapter.record
+        for e in self.pipeline.stage_entries("connect"):
+            record.check_vision_stats(e.card.name, e.method.vision_stats(adapter.family))
         stats = self.pipeline.vision_stats(adapter.family)
         if stats:
             self.vision = VisionCapture(adapter, stats)
@@ -120,7 +179,8 @@ class ModelPatch:
             self.runtime.install()
 
     def remove(self) -> None:
-        PATCHED_MODELS.discard(self.adapter.model)
+        if PATCHED_MODELS.get(self.adapter.model) is self:
+            del PATCHED_MODELS[self.adapter.model]
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -157,8 +217,7 @@ class ModelPatch:
         if not self.enabled:
             return None
         input_ids = kwargs.get("input_ids", args[0] if args else None)
-        media = {k: kwargs[k] for k in MEDIA_KWARGS if kwargs.get(k) is not None}
-        self._captured = CapturedInputs(input_ids, kwargs.get("attention_mask"), media)
+        self._captured = self.adapter.capture(input_ids, kwargs.get("attention_mask"), kwargs)
         mapping = self.mapping
         if mapping is not None and _cache_length(kwargs) > 0:
             self._check_continuation(mapping, kwargs.get("position_ids"))
@@ -288,15 +347,13 @@ class ModelPatch:
         )
         vision = self.vision.video_stats(spans) if self.vision is not None else [{} for _ in spans]
         prepool = self.prepool.per_video([s.grid[0] for s in spans]) if self.prepool is not None else None
-        self.pipeline.begin_prompt()  # every plugin's ctx.store starts empty for this prompt
+        self.pipeline.begin_prompt()  # every method's ctx.state starts empty for this prompt
         outputs = []
         changed = False
         for k, span in enumerate(spans):
-            ctx = self._context(span, captured, mask)
-            ctx.video_index = k
-            ctx.vision = vision[k]
+            ctx = self._context(span, captured, mask).replace(video_index=k, vision=vision[k])
             if prepool is not None:
-                ctx.prepool, ctx.pool, ctx.project = prepool[k], self.prepool.pool, self.prepool.projection
+                ctx = ctx.replace(prepool=prepool[k], pool=self.prepool.pool, project=self.prepool.projection)
             tokens, out = connect_video(
                 self.pipeline, ctx=ctx, recorder=self.recorder, **self._video_inputs(span, embeds, positions, deepstack)
             )

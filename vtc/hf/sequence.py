@@ -12,8 +12,7 @@ import dataclasses
 
 import torch
 
-from vtc.core.contract import TokenLayout
-from vtc.core.tokens import VideoTokens
+from vtc.core.tokens import TokenLayout, VideoTokens
 from vtc.hf.adapters.base import VideoSpan
 
 Tensor = torch.Tensor

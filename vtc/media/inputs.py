@@ -7,8 +7,10 @@ and in user code (`handle.prepare(...)` / `vtc.prepare_inputs(...)`).
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Sequence
 
+from vtc.core.families import family_of_processor_class
 from vtc.core.tokens import Context
 from vtc.media.video import VideoSource, sampling_rule, uniform_indices
 
@@ -21,6 +23,7 @@ class SampledVideo:
     indices: list[int]
     source: VideoSource
     prepared: dict[str, Any] = dataclasses.field(default_factory=dict)  # what the sampler hands to later stages
+    warnings: list[str] = dataclasses.field(default_factory=list)  # what sampling warned about (`frame_shortfall`)
 
     @property
     def metadata(self) -> dict[str, Any]:
@@ -44,36 +47,75 @@ def sample_frames(
     model=None,
     processor=None,
     family: str | None = None,
+    *,
+    stacklevel: int = 2,
 ) -> SampledVideo:
     """Run the pipeline's `sample` stage (uniform over the whole video, by the family's rule, when it has none).
 
+    Asking for more frames than the video has is not an error (a clip shorter than the method's count gets every
+    frame, or repeated frames under the "floor" rule), but it is warned about (`UserWarning`, naming both counts;
+    `stacklevel` points it at the caller) and kept in `SampledVideo.warnings` (`handle.stats().warnings`).
+
     Samplers see `ctx.question`, `ctx.family`, `ctx.num_frames`, `ctx.model` and `ctx.processor` (for
-    query-aware scoring) and may leave data for later stages in `ctx.prepared[method]` (QuoTA's frame weights)."""
+    query-aware scoring) and may leave data for later stages in `ctx.state` (QuoTA's frame weights), which
+    those stages read as `ctx.prepared`."""
     if num_frames is not None and (isinstance(num_frames, bool) or int(num_frames) != num_frames or num_frames < 1):
         raise ValueError(
             f"num_frames must be a positive integer (or None for the method's default), got {num_frames!r}"
         )
     source = VideoSource.open(video, fps=fps)
     ctx = Context(question=question, family=family, model=model, num_frames=num_frames, processor=processor)
-    indices = pipeline.run_sample(source, ctx) if pipeline is not None else None
+    sampled = pipeline.run_sample(source, ctx) if pipeline is not None else None
+    indices, prepared = sampled if sampled is not None else (None, {})
     if indices is None:
         indices = uniform_indices(source.num_frames, num_frames or DEFAULT_NUM_FRAMES, sampling_rule(family))
     indices = [int(i) for i in indices]
     if indices != sorted(indices) or not indices:
         raise ValueError(f"a sampler must return a non-empty sorted list of frame indices, got {indices[:8]}...")
-    return SampledVideo(source.read(indices), indices, source, ctx.prepared)
+    note = frame_shortfall(indices, source.num_frames, *_requested_frames(pipeline, num_frames, indices))
+    if note is not None:
+        warnings.warn(note, UserWarning, stacklevel=stacklevel)
+    return SampledVideo(source.read(indices), indices, source, prepared, [note] if note is not None else [])
+
+
+def _requested_frames(pipeline, num_frames: int | None, indices: list[int]) -> tuple[int, str]:
+    """How many frames the call asked for, and who asked: the `num_frames` argument, else the sampler's own
+    `num_frames` parameter, else (a sampler without one) the count it returned, else vtc's default."""
+    if num_frames is not None:
+        return int(num_frames), f"num_frames={int(num_frames)}"
+    entries = pipeline.stage_entries("sample") if pipeline is not None else []
+    if not entries:
+        return DEFAULT_NUM_FRAMES, f"the default num_frames={DEFAULT_NUM_FRAMES}"
+    entry = entries[0]
+    # the method object and its card (older pipelines: the params dataclass and the MethodInfo)
+    method = getattr(entry, "method", None) or getattr(entry, "params", None)
+    name = getattr(getattr(entry, "card", None) or getattr(entry, "info", None), "name", "the sampler")
+    count = getattr(method, "num_frames", None)
+    if isinstance(count, int) and not isinstance(count, bool):
+        return count, f"{name}'s num_frames={count}"
+    return len(indices), f"{name} (sampling {len(indices)} frames)"
+
+
+def frame_shortfall(indices: list[int], available: int, requested: int, asked_by: str) -> str | None:
+    """The warning for a request of more frames than the video has (None when it has enough)."""
+    if requested <= available:
+        return None
+    distinct = len(set(indices))
+    if len(indices) > distinct:
+        got = f"the model gets {len(indices)} frames, only {distinct} of them distinct (frames repeat)"
+    else:
+        got = f"the model gets {len(indices)} frames"
+    return (
+        f"{asked_by} asks for {requested} frames but the video has only {available} frames: {got}. Ask for at most "
+        f"{available} frames (num_frames=) to match this video"
+    )
 
 
 def processor_family(processor) -> str | None:
-    """The model family a processor belongs to (from its class), for the family's frame-sampling rule."""
-    names = {
-        "Qwen2VLProcessor": "qwen2_vl",
-        "Qwen2_5_VLProcessor": "qwen2_5_vl",
-        "Qwen3VLProcessor": "qwen3_vl",
-        "LlavaOnevisionProcessor": "llava_onevision",
-        "LlavaNextVideoProcessor": "llava_next_video",
-    }
-    return names.get(type(processor).__name__)
+    """The model family a processor belongs to (its class is among a family's `processor_classes`), for the family's
+    frame-sampling rule."""
+    family = family_of_processor_class(type(processor).__name__)
+    return family.name if family is not None else None
 
 
 def processor_video_kwargs(processor, sampled: list[SampledVideo]) -> dict[str, Any]:
@@ -112,6 +154,7 @@ def prepare_batch(
     messages: Sequence[list[dict[str, Any]]] | None = None,
     images: Sequence[list[Any]] | None = None,
     processor_kwargs: dict[str, Any] | None = None,
+    notes: list[str] | None = None,
 ):
     """Processor inputs (a `BatchFeature`) for one question per video, left-padded for generation, and what
     the sample stage prepared for each video. `family` (default: the processor's) picks the uniform rule.
@@ -119,15 +162,18 @@ def prepare_batch(
     `messages` (one chat per video, with one `{"type": "video"}` entry each) replace vtc's own prompt (the video,
     then the question): an evaluation task brings its own. `images` (a list per video) fill the chats' image
     entries. The sample stage still sees `questions`. `processor_kwargs` go to the processor call (Qwen's
-    `max_pixels` / `min_pixels`)."""
+    `max_pixels` / `min_pixels`). `notes`, when given, receives every video's sampling warnings (they are also
+    issued as `UserWarning`s)."""
     if len(videos) != len(questions):
         raise ValueError(f"got {len(videos)} videos but {len(questions)} questions; pass one question per video")
     if messages is not None and len(messages) != len(videos):
         raise ValueError(f"got {len(videos)} videos but {len(messages)} chats; pass one chat per video")
     family = family or processor_family(processor)
-    sampled = [
-        sample_frames(v, q, pipeline, num_frames, fps, model, processor, family) for v, q in zip(videos, questions)
-    ]
+    sampled = []
+    for v, q in zip(videos, questions):  # stacklevel 4: a warning points at the caller of handle.prepare
+        sampled.append(sample_frames(v, q, pipeline, num_frames, fps, model, processor, family, stacklevel=4))
+    if notes is not None:
+        notes.extend(note for s in sampled for note in s.warnings)
     chats = messages if messages is not None else [build_messages(q, system) for q in questions]
     texts = [processor.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) for chat in chats]
     padding = {"padding": True, "padding_side": "left"} if len(texts) > 1 else {}

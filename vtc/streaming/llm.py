@@ -4,11 +4,14 @@ A memory keeps the cache as plain per-layer `(keys, values)` tensors ([1, kv_hea
 RoPE, as the attention layers cache them); each forward wraps them in a transformers `DynamicCache`, which
 concatenates instead of writing in place, so the memory's tensors are never changed by a forward. Positions
 are always passed explicitly, with a 2-D mask of ones (the prompt of a stream is never padded).
+
+`StreamLLM` is the transformers implementation of `vtc.core.stream.StreamModel` (what memories run rows
+through); the cache helpers and `Forward` live in `vtc.core.stream` (re-exported here). A memory that retrieves
+per layer returns a `vtc.core.stream.Retrieval`; `retrieval_cache` builds the transformers cache for it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 import time
 from typing import Any
@@ -16,37 +19,74 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from vtc.core.stream import (
+    KV,
+    AnswerPast,
+    Forward,
+    Retrieval,
+    cache_length,
+    concat_kv,
+    kv_bytes,
+    select_kv,
+)
 from vtc.hf.adapters import Adapter
 
 Tensor = torch.Tensor
-KV = list[tuple[Tensor, Tensor]]
+
+__all__ = [
+    "KV",
+    "Forward",
+    "KeyRotation",
+    "QueryCapture",
+    "RetrievalCache",
+    "StreamLLM",
+    "cache_length",
+    "concat_kv",
+    "kv_bytes",
+    "past_cache",
+    "retrieval_cache",
+    "select_kv",
+]
 
 
-def cache_length(kv: KV | None) -> int:
-    return 0 if not kv else int(kv[0][0].shape[2])
+class RetrievalCache(DynamicCache):
+    """The transformers cache of a `vtc.core.stream.Retrieval`: layer l is filled, the first time the model writes
+    to it, with what `fill(l)` retrieves (e.g. prefix + this layer's selected groups), so a memory's per-layer
+    retrieval runs inside the question's own forward. Until a layer is filled it reports `length` past rows."""
+
+    def __init__(self, fill, length: int) -> None:
+        super().__init__()
+        self._fill = fill
+        self._length = length
+        self._filled: set[int] = set()
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._length if layer_idx not in self._filled else super().get_seq_length(layer_idx)
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        if layer_idx not in self._filled:
+            return self._length + query_length, 0
+        return super().get_mask_sizes(query_length, layer_idx)
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if layer_idx not in self._filled:
+            keys, values = self._fill(layer_idx)
+            super().update(keys.to(key_states.dtype), values.to(value_states.dtype), layer_idx)
+            self._filled.add(layer_idx)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
-def kv_bytes(kv: KV | None) -> int:
-    return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in (kv or []))
+def retrieval_cache(retrieval: Retrieval) -> RetrievalCache:
+    """The transformers cache that fills itself layer by layer from a memory's `Retrieval`."""
+    return RetrievalCache(retrieval.fill, retrieval.length)
 
 
-def concat_kv(a: KV | None, b: KV) -> KV:
-    if not a:
-        return list(b)
-    return [(torch.cat([ka, kb], dim=2), torch.cat([va, vb], dim=2)) for (ka, va), (kb, vb) in zip(a, b)]
-
-
-def select_kv(kv: KV, index: Tensor) -> KV:
-    """The cache entries at `index` (token positions along the cache), per layer."""
-    return [(k.index_select(2, index.to(k.device)), v.index_select(2, index.to(v.device))) for k, v in kv]
-
-
-@dataclasses.dataclass
-class Forward:
-    logits: Tensor  # [V] of the last row
-    kv: KV  # per layer, the keys/values of the rows just run (not the past)
-    hidden: Tensor | None = None  # [L, D] last hidden states
-    cache: KV | None = None  # per layer, the past and these rows together (the tensors the forward built)
+def past_cache(past: AnswerPast) -> tuple[KV | None, Any]:
+    """(kv, cache) for `StreamLLM.greedy` from a memory's `AnswerPast`: its tensors, or the cache object built
+    from its `retrieval`."""
+    if past.retrieval is not None:
+        return None, retrieval_cache(past.retrieval)
+    return past.kv, None
 
 
 class StreamLLM:
@@ -63,6 +103,14 @@ class StreamLLM:
     @property
     def num_layers(self) -> int:
         return len(self.adapter.decoder_layers)
+
+    def key_rotation(self) -> "KeyRotation":
+        """Rotates keys stored before RoPE to positions (`vtc.core.stream.KeyRotation`)."""
+        return KeyRotation(self.adapter)
+
+    def capture_queries(self) -> "QueryCapture":
+        """Installs a `QueryCapture` (`vtc.core.stream.QueryProbe`) on the model until it is removed."""
+        return QueryCapture(self.adapter)
 
     def lm_head(self) -> torch.nn.Module:
         return self.model.get_output_embeddings()

@@ -8,7 +8,7 @@
 A session is one prompt that never ends (`vtc.streaming.layout`): the chat template's text before the video, the
 video chunk by chunk, and at each question the text after the video. Each chunk of frames goes through the
 model's own vision path (`vtc.streaming.encoder`), then the pipeline's causal connect plugins (the same connect
-engine every backend calls, with one `ctx.store` per plugin for the whole stream), then into the memory
+engine every backend calls, with one `ctx.state` per method for the whole stream), then into the memory
 (`vtc.streaming.memory`, or the method's own), which keeps at most `budget_tokens` visual tokens. A question is
 answered from the memory's past with greedy decoding and never changes the memory.
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
+import weakref
 from typing import Any
 
 import numpy as np
@@ -27,11 +28,11 @@ from vtc.core.engine import connect_video, grid_cells, video_tokens
 from vtc.core.pipeline import Pipeline
 from vtc.core.tokens import Context
 from vtc.hf.adapters import resolve_adapter
-from vtc.hf.patching import PATCHED_MODELS
+from vtc.hf.patching import OPEN_STREAMS, PATCHED_MODELS
 from vtc.hf.vision import VisionCapture
 from vtc.streaming.encoder import ChunkEncoder, EncodedChunk
 from vtc.streaming.layout import PositionCounter, qwen_interval, split_template, text_ids
-from vtc.streaming.llm import StreamLLM
+from vtc.streaming.llm import StreamLLM, past_cache
 from vtc.streaming.memory import Segment, StreamConfig, WindowMemory
 
 Tensor = torch.Tensor
@@ -166,9 +167,11 @@ class StreamSession:
                 "retention and method parameters need methods; e.g. vtc.stream(model, processor, 'mssavt')"
             )
         self.spec = self.pipeline.spec if self.pipeline else "none"
-        self.config = StreamConfig(budget_tokens, family, model, self.adapter, float(fps))
-        owner = next((e for e in (self.pipeline.entries if self.pipeline else []) if e.info.stream_memory), None)
-        self.memory = owner.plugin.stream_memory(self.config) if owner is not None else WindowMemory(self.config)
+        self.config = StreamConfig(
+            budget_tokens, family, model, self.adapter, float(fps), mrope=bool(self.adapter.mrope)
+        )
+        owner = self.pipeline.stream_memory_entry() if self.pipeline else None
+        self.memory = owner.method.stream_memory(self.config) if owner is not None else WindowMemory(self.config)
         policy = (
             self.pipeline.position_policy(positions, self.adapter.mrope) if self.pipeline else (positions or "keep")
         )
@@ -216,6 +219,7 @@ class StreamSession:
         self.closed = False
         if self.vision is not None:
             self.vision.install()
+        OPEN_STREAMS.setdefault(model, weakref.WeakSet()).add(self)  # vtc.patch refuses the model until close()
 
     # --- rows -------------------------------------------------------------------------------------------------
     def _text_segment(self, ids: Tensor, counter: PositionCounter, lead: Tensor | None = None) -> Segment:
@@ -299,12 +303,11 @@ class StreamSession:
         extras = {"deepstack": chunk.deepstack} if chunk.deepstack is not None else None
         start = time.perf_counter()
         if self.pipeline is not None:
-            self.ctx.vision = chunk.vision
             tokens_in, out = connect_video(
                 self.pipeline,
                 chunk.embeds[video_rows],
                 chunk.grid,
-                self.ctx,
+                self.ctx.replace(vision=chunk.vision),
                 None,
                 extras=extras,
                 seq_index=video_rows,
@@ -384,14 +387,15 @@ class StreamSession:
                 rows = torch.arange(past.next_position, past.next_position + n)
                 positions = rows[None].expand(positions.shape[0], -1).clone()
                 next_position = past.next_position + n
+            kv, cache = past_cache(past)  # a memory's per-layer `Retrieval` becomes a transformers cache here
             ids, logits, ttft = self.llm.greedy(
-                past.kv,
+                kv,
                 question_rows.embeds,
                 positions,
                 next_position,
                 int(max_new_tokens),
                 self._eos(),
-                cache=past.cache,
+                cache=cache,
             )
         finally:
             if past.release is not None:
@@ -456,6 +460,11 @@ class StreamSession:
             self.vision = None
         self.pending = []
         self.closed = True
+        sessions = OPEN_STREAMS.get(self.model)
+        if sessions is not None:
+            sessions.discard(self)
+            if not sessions:
+                del OPEN_STREAMS[self.model]
 
     def __enter__(self) -> "StreamSession":
         return self

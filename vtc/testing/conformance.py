@@ -10,9 +10,9 @@ its methods, offline, in a few lines of pytest:
     def test_conformance(case):
         conformance.run(case)
 
-A method opts out of a check by declaring why in `MethodInfo(conformance_exemptions={check: reason})`, and
-parameters that fit the tiny test models in `MethodInfo(test_params=...)`. The checks
-(`vtc.core.registry.CONFORMANCE_CHECKS`):
+A method opts out of a check by saying why in `@vtc.method(..., exempt={check: reason})`, and gives
+parameters that fit the tiny test models in `@vtc.method(..., test_params=...)` (its `TestHints`). The checks
+(`vtc.core.method.CONFORMANCE_CHECKS`):
 
   identity_at_full_retention  retention 1.0 gives the unpatched model's logits and greedy tokens
   retention                   at retention r (0.5, 0.25) the LLM sees r of the visual tokens, at the count the
@@ -36,14 +36,16 @@ parameters that fit the tiny test models in `MethodInfo(test_params=...)`. The c
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from typing import Callable, Iterable
 
 import torch
 
 from vtc.api import patch
+from vtc.core.method import CONFORMANCE_CHECKS, MethodCard
 from vtc.core.pipeline import Pipeline
-from vtc.core.registry import CONFORMANCE_CHECKS, MethodInfo, registry
+from vtc.core.registry import registry
 from vtc.hf.adapters import resolve_adapter
 from vtc.testing.fixtures import (
     NUM_FRAMES,
@@ -70,7 +72,7 @@ class Case:
         return f"{self.check}-{self.method}-{self.family}"
 
 
-def applies(check: str, info: MethodInfo) -> bool:
+def applies(check: str, info: MethodCard) -> bool:
     """Whether a check concerns a method at all (exemptions aside)."""
     if check == "retention_fixed":
         return info.fixed_count_mode == "optional"
@@ -85,13 +87,14 @@ def cases(
     methods: Iterable[str] | None = None, families: Iterable[str] | None = None, checks: Iterable[str] | None = None
 ) -> list[Case]:
     """Every (check, method, family) case for token-reducing `methods` (default: all registered that `vtc.patch`
-    runs; stream-only methods are checked by their own stream tests), minus the checks a method declares itself
-    exempt from."""
+    runs; stream-only methods are checked by their own stream tests), on the `families` each method runs on (default:
+    every registered family it supports, `supported_families`), minus the checks a method declares itself exempt
+    from."""
     reg = registry()
     names = (
         list(methods)
         if methods is not None
-        else [i.name for i in reg.infos() if i.reduces_tokens and not i.stream_only]
+        else [c.name for c in reg.cards() if c.reduces_tokens and not c.stream_only]
     )
     chosen = list(checks) if checks is not None else list(CONFORMANCE_CHECKS)
     unknown = sorted(set(chosen) - set(CONFORMANCE_CHECKS))
@@ -99,16 +102,25 @@ def cases(
         raise ValueError(f"unknown check(s) {unknown}; checks: {', '.join(CONFORMANCE_CHECKS)}")
     out = []
     for name in names:
-        info = reg[name]
+        info = reg[name].card
         if not info.reduces_tokens:
             raise ValueError(f"{name} does not reduce tokens; the conformance matrix is for token-reducing methods")
         if info.stream_only:
             raise ValueError(f"{name} runs only in vtc.stream; the conformance matrix checks vtc.patch")
-        for family in families if families is not None else info.families:
+        wanted = supported_families(name)
+        if families is not None:
+            wanted = [f for f in families if f in wanted]
+        for family in wanted:
             for check in chosen:
-                if applies(check, info) and check not in info.conformance_exemptions:
+                if applies(check, info) and check not in reg[name].testing.exemptions:
                     out.append(Case(check, name, family))
     return out
+
+
+def supported_families(method: str) -> list[str]:
+    """The registered families `method` runs on (its card's families: every feature it requires, every
+    vision-tower statistic it reads)."""
+    return list(registry()[method].card.families)
 
 
 def run(case: Case) -> None:
@@ -125,15 +137,19 @@ def check_method(method: str, families: Iterable[str] | None = None) -> None:
 
 
 # --- helpers ----------------------------------------------------------------------------------------------------
-def _info(method: str) -> MethodInfo:
-    return registry()[method]
+def _info(method: str) -> MethodCard:
+    return registry()[method].card
+
+
+def _exempt(method: str) -> dict[str, str]:
+    return registry()[method].testing.exemptions
 
 
 def _test_params(spec: str) -> dict:
     """Every method's test parameters, qualified by method name (`holitom.k`)."""
     params = {}
     for name in spec.split("+"):
-        params.update({f"{name}.{k}": v for k, v in registry()[name].test_params.items()})
+        params.update({f"{name}.{k}": v for k, v in registry()[name].testing.params.items()})
     return params
 
 
@@ -146,7 +162,7 @@ def _patch(model, spec: str, retention: float, **params):
 def _inputs(handle, family: str, which: int | None):
     """Processor inputs: through `handle.prepare` when a method of the spec has a sample stage (it scores frames
     there), else the cached ones. `which`: 0 or 1 for one prompt, None for the padded batch of both."""
-    if not any("sample" in e.info.stages for e in handle.pipeline.entries):
+    if not any("sample" in e.card.stages for e in handle.pipeline.entries):
         return batch_inputs(family) if which is None else single_inputs(family, which)
     _, processor = model_and_processor(family)
     if which is None:
@@ -164,6 +180,37 @@ def _greedy(model, inputs, tokens: int = 4) -> torch.Tensor:
     return out[:, inputs["input_ids"].shape[1] :]
 
 
+@functools.lru_cache(maxsize=None)
+def _reference(family: str, what: str, dtype: torch.dtype = torch.float32):
+    """The unpatched model's outputs, computed once per family: they depend on the family alone (every check
+    leaves the cached model exactly as it found it, which `check_unpatch` verifies). what: "single" / "batch"
+    logits, "greedy" tokens of the batch, "layers" (what every decoder layer receives for the single prompt)."""
+    model, _ = model_and_processor(family, dtype)
+    single = _cast(single_inputs(family), dtype)
+    if what == "single":
+        return _logits(model, single)
+    if what == "batch":
+        return _logits(model, batch_inputs(family))
+    if what == "greedy":
+        return _greedy(model, batch_inputs(family))
+    if what == "layers":
+        records, handles = _probe_layers(model)
+        try:
+            _logits(model, single)
+        finally:
+            for h in handles:
+                h.remove()
+        return records
+    raise ValueError(what)
+
+
+def _cast(inputs: dict, dtype: torch.dtype) -> dict:
+    """Processor outputs with floating tensors (pixels) in `dtype`."""
+    if dtype == torch.float32:
+        return inputs
+    return {k: (v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in inputs.items()}
+
+
 def hook_counts(model) -> int:
     return sum(
         len(m._forward_pre_hooks) + len(m._forward_hooks) + len(getattr(m, "_forward_hooks_with_kwargs", {}))
@@ -171,11 +218,11 @@ def hook_counts(model) -> int:
     )
 
 
-def _fixed_switch(info: MethodInfo) -> dict:
+def _fixed_switch(info: MethodCard) -> dict:
     return {"fixed_count": True} if info.fixed_count_mode == "optional" else {}
 
 
-def _tolerance(grid: tuple[int, int, int], info: MethodInfo) -> float:
+def _tolerance(grid: tuple[int, int, int], info: MethodCard) -> float:
     """How far a method's count may miss retention * N: per-frame rounding (one token per frame, or the
     method's coarser step), relative to the tokens of a frame."""
     _, h, w = grid
@@ -186,7 +233,8 @@ def _tolerance(grid: tuple[int, int, int], info: MethodInfo) -> float:
 def check_identity(method: str, family: str) -> None:
     model, _ = model_and_processor(family)
     single, batch = single_inputs(family), batch_inputs(family)
-    ref_single, ref_batch, ref_tokens = _logits(model, single), _logits(model, batch), _greedy(model, batch)
+    ref_single, ref_batch = _reference(family, "single"), _reference(family, "batch")
+    ref_tokens = _reference(family, "greedy")
     with _patch(model, method, 1.0) as handle:
         assert torch.equal(_logits(model, single), ref_single), f"{method} at retention 1.0 changed the logits"
         assert torch.equal(_logits(model, batch), ref_batch), f"{method} at retention 1.0 changed a batch's logits"
@@ -253,7 +301,7 @@ def check_fixed_count(method: str, family: str) -> None:
     """The serving contract: the count, computed from the grid before any model runs, is what the LLM sees."""
     info = _info(method)
     model, _ = model_and_processor(family)
-    specs = [method] + (["random+" + method] if not info.needs_whole_frames else []) + [method + "+random"]
+    specs = [method] + (["random+" + method] if not info.whole_frames else []) + [method + "+random"]
     for spec in specs:
         if "random" in spec and method == "random":
             continue
@@ -295,15 +343,11 @@ def _rows_in(rows: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return torch.where(found, equal.float().argmax(1), torch.full_like(found, -1, dtype=torch.long))
 
 
-def _positions(method: str, family: str, ordered: bool) -> None:
+@functools.lru_cache(maxsize=2)
+def _patched_layers(method: str, family: str):
+    """What every decoder layer receives with `method` patched in (positions="keep" on every family; renumbering
+    on LLaVA is checked by the API tests), shared by the two position checks."""
     model, _ = model_and_processor(family)
-    inputs = single_inputs(family)
-    records, handles = _probe_layers(model)
-    _logits(model, inputs)
-    original = list(records)
-    for h in handles:
-        h.remove()
-    # positions="keep" on every family (renumbering on LLaVA is checked by the API tests)
     with _patch(model, method, RETENTION, positions="keep") as handle:
         records, handles = _probe_layers(model)
         try:
@@ -311,6 +355,14 @@ def _positions(method: str, family: str, ordered: bool) -> None:
         finally:
             for h in handles:
                 h.remove()
+    return records
+
+
+def _positions(method: str, family: str, ordered: bool) -> None:
+    model, _ = model_and_processor(family)
+    inputs = single_inputs(family)
+    original = _reference(family, "layers")
+    records = _patched_layers(method, family)
     records = records[-len(original) :]  # a sampler running the model itself (QuoTA) records its passes first
     first = next(i for i, (hid, _) in enumerate(records) if hid.shape[0] != original[i][0].shape[0])
     hidden, cos = records[first]
@@ -349,7 +401,7 @@ def check_generate(method: str, family: str) -> None:
 def check_unpatch(method: str, family: str) -> None:
     model, _ = model_and_processor(family)
     inputs = single_inputs(family)
-    ref = _logits(model, inputs)
+    ref = _reference(family, "single")
     hooks_before = hook_counts(model)
     text = resolve_adapter(model).text_model
     attrs_before = {name: set(vars(m)) for name, m in model.named_modules()}
@@ -401,17 +453,14 @@ def check_decode_continues(method: str, family: str) -> None:
 
 
 def check_bf16(method: str, family: str) -> None:
-    info = _info(method)
     model, _ = model_and_processor(family, torch.bfloat16)
 
     def bf16(inputs):
-        return {
-            k: (v.to(torch.bfloat16) if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in inputs.items()
-        }
+        return _cast(inputs, torch.bfloat16)
 
     inputs = bf16(single_inputs(family))
-    ref = _logits(model, inputs)
-    if "identity_at_full_retention" not in info.conformance_exemptions:
+    ref = _reference(family, "single", torch.bfloat16)
+    if "identity_at_full_retention" not in _exempt(method):
         with _patch(model, method, 1.0):
             assert torch.equal(_logits(model, inputs), ref), f"{method} at retention 1.0 changed bf16 logits"
     with _patch(model, method, RETENTION) as handle:
@@ -439,3 +488,56 @@ CHECKS: dict[str, Callable[[str, str], None]] = {
     "bf16": check_bf16,
 }
 assert set(CHECKS) == set(CONFORMANCE_CHECKS), "every declared check has an implementation"
+
+
+# --- command line -----------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    """`python -m vtc.testing.conformance --family NAME [--method M ...] [--check C ...] [--register module:FAMILY]`:
+    run the matrix of every method that supports the family (or those named), print one line per case, exit 1
+    when one fails. `--register` adds a family not installed yet (`vtc.core.families.register_family`)."""
+    import argparse
+    import os
+    import time
+    import traceback
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from vtc.core.families import family_names, load_object, register_family
+
+    parser = argparse.ArgumentParser(prog="python -m vtc.testing.conformance", description=main.__doc__)
+    parser.add_argument("--family", action="append", required=True, help="family to check (repeatable)")
+    parser.add_argument("--method", action="append", help="only these methods (default: all that support it)")
+    parser.add_argument("--check", action="append", choices=CONFORMANCE_CHECKS, help="only these checks")
+    parser.add_argument("--register", action="append", default=[], help="'module:FAMILY' to register first")
+    parser.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first failing case")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    for path in args.register:
+        register_family(load_object(path, "--register"), replace=True)
+    unknown = [f for f in args.family if f not in family_names()]
+    if unknown:
+        parser.error(f"unknown family {', '.join(unknown)}; known families: {', '.join(family_names())}")
+    selected = cases(args.method, args.family, args.check)
+    if not selected:
+        print(f"no method supports {', '.join(args.family)}")
+        return 1
+    failed = 0
+    start = time.perf_counter()
+    for case in selected:
+        t0 = time.perf_counter()
+        try:
+            run(case)
+        except Exception as err:  # noqa: BLE001 - report every failing case, then fail
+            failed += 1
+            print(f"FAIL {case} ({time.perf_counter() - t0:.1f} s): {type(err).__name__}: {err}", flush=True)
+            if os.environ.get("VTC_CONFORMANCE_TRACEBACK"):
+                traceback.print_exc()
+            if args.exitfirst:
+                break
+        else:
+            print(f"ok   {case} ({time.perf_counter() - t0:.1f} s)", flush=True)
+    print(f"{len(selected) - failed} passed, {failed} failed in {time.perf_counter() - start:.0f} s")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

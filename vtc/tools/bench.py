@@ -60,7 +60,7 @@ def params_for(spec: str, params: dict[str, Any]) -> dict[str, Any]:
     from vtc.core.pipeline import parse_spec
 
     names = parse_spec(spec)
-    fields = {n: {f.name for f in dataclasses.fields(vtc.registry()[n].params)} for n in names}
+    fields = {n: {f.name for f in dataclasses.fields(vtc.registry()[n])} for n in names}
     chosen = {}
     for key, value in params.items():
         method, _, field = key.rpartition(".")

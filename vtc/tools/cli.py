@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -37,6 +40,7 @@ def parse_params(items: list[str] | None) -> dict[str, Any]:
 
 def cmd_methods(args, console: Console) -> int:
     import vtc
+    from vtc.core.families import family_names
 
     infos = vtc.methods()
     if args.json:
@@ -46,7 +50,7 @@ def cmd_methods(args, console: Console) -> int:
     for col in ("method", "stage", "paper", "families", "fixed count", "retention counts", "what it does"):
         table.add_column(col)
     for i in infos:
-        families = "all 5" if len(i.families) == 5 else ", ".join(i.families)
+        families = f"all {len(i.families)}" if set(i.families) == set(family_names()) else ", ".join(i.families)
         if not i.reduces_tokens:
             fixed, counts = "n/a (sampler)", "-"
         else:
@@ -217,13 +221,43 @@ def cmd_serve(args, console: Console) -> int:
     )
 
 
-def cmd_bench_kernels(args, console: Console) -> int:
-    from vtc.tools.bench_kernels import DEFAULT_REPEATS, bench_kernels, parse_ops
+# the repository's benchmarks/ folder (official codes' baselines, not installed with the package), next to the
+# `vtc` package of a checkout
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
-    report = bench_kernels(
-        ops=parse_ops(args.ops),
+
+def benchmark_module(name: str):
+    """`benchmarks/<name>.py` of the checkout vtc runs from, imported as `benchmarks.<name>`. From an installed
+    wheel there is no such folder: the error says the command needs a checkout."""
+    folder = BENCHMARKS
+    if not (folder / f"{name}.py").is_file():
+        raise FileNotFoundError(
+            f"vtc bench-kernels needs a checkout of the vtc repository: it runs benchmarks/{name}.py (the official "
+            f"codes' baselines), which is not part of the installed package and is not at {folder}. Clone the "
+            "repository, install it from there (pip install -e .) and run vtc bench-kernels again"
+        )
+    package = sys.modules.get("benchmarks")
+    if package is None:
+        spec = importlib.util.spec_from_file_location(
+            "benchmarks", folder / "__init__.py", submodule_search_locations=[str(folder)]
+        )
+        package = importlib.util.module_from_spec(spec)
+        sys.modules["benchmarks"] = package
+        spec.loader.exec_module(package)
+    elif folder not in [Path(p).resolve() for p in getattr(package, "__path__", [])]:
+        raise FileNotFoundError(
+            f"another module named 'benchmarks' is already imported ({package!r}); vtc bench-kernels needs the "
+            f"repository's own, {folder}"
+        )
+    return importlib.import_module(f"benchmarks.{name}")
+
+
+def cmd_bench_kernels(args, console: Console) -> int:
+    bench = benchmark_module("bench_kernels")
+    report = bench.bench_kernels(
+        ops=bench.parse_ops(args.ops),
         size=args.sizes,
-        repeats=DEFAULT_REPEATS if args.repeats is None else args.repeats,
+        repeats=bench.DEFAULT_REPEATS if args.repeats is None else args.repeats,
         device=args.device,
         json_path=args.json,
         peak_override=args.peak_gbps,
@@ -367,9 +401,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     kernels = sub.add_parser(
         "bench-kernels",
-        help="time vtc's shared ops against the official codes (CPU) or their Triton kernels (CUDA)",
+        help="time vtc's shared ops against the official codes (CPU) or their Triton kernels (CUDA); needs a checkout",
         description="vtc bench-kernels [--ops a,b] [--sizes small|video] [--repeats N] [--device cpu|cuda] "
-        "[--json PATH]",
+        "[--json PATH]. Runs benchmarks/ of a checkout of the repository (not installed with the package).",
     )
     kernels.add_argument("--ops", help="comma-separated ops (default: all; an unknown name lists the allowed ones)")
     kernels.add_argument(

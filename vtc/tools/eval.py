@@ -13,6 +13,7 @@ built offline (for trying the command; its accuracy is noise).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import json
@@ -194,7 +195,9 @@ def evaluate_grid(
     console.print(f"vtc eval: {len(cells)} cells, {len(cells) - len(todo)} already finished in {out}")
     if todo:
         lm = _build_model(model, family, num_frames, model_args or {}, out, console)
-        with progress_bar(console) as progress:
+        with progress_bar(console) as progress, contextlib.ExitStack() as cleanup:
+            if lm.args.backend == "hf":  # the grid leaves the model as it was loaded (unpatched)
+                cleanup.callback(lm.configure, None)
             bar = progress.add_task("cells", total=len(todo))
             for cell in todo:
                 progress.update(bar, description=f"{cell.task}: {cell.label} r={_retention_text(cell)}")

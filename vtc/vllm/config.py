@@ -58,9 +58,9 @@ def family_of(architectures: list[str] | tuple[str, ...] | None) -> str:
 def servable_methods() -> list[str]:
     """Installed methods a server can run: connect stage only, a fixed count, no question."""
     out = []
-    for info in registry().infos():
-        if set(info.stages) == {"connect"} and info.fixed_count and not info.query_aware and not info.stream_only:
-            out.append(info.name)
+    for card in registry().cards():
+        if set(card.stages) == {"connect"} and card.fixed_count and not card.query_aware and not card.stream_only:
+            out.append(card.name)
     return sorted(out)
 
 
@@ -171,7 +171,7 @@ class ServeConfig:
         methods = registry()
         allowed = ", ".join(servable_methods())
         for name in parse_spec(self.methods):
-            info = methods[name]  # raises naming the installed methods
+            info = methods[name].card  # raises naming the installed methods
             if "sample" in info.stages:
                 raise ValueError(
                     f"{name} chooses frames against the question (sample stage); a vLLM server caches its encoder "
@@ -203,7 +203,7 @@ class ServeConfig:
         params = dict(self.params)
         methods = registry()
         for name in parse_spec(self.methods):
-            if _has_field(methods[name].params, "fixed_count"):
+            if _has_field(methods[name], "fixed_count"):
                 given = params.get(f"{name}.fixed_count", params.get("fixed_count"))
                 if given is False:
                     raise ValueError(

@@ -253,7 +253,7 @@ class Serving:
         )
         if self._prepool is not None:
             capture = self._prepool_of()
-            ctx.prepool, ctx.pool, ctx.project = self._prepool[index], capture.pool, capture.projection
+            ctx = ctx.replace(prepool=self._prepool[index], pool=capture.pool, project=capture.projection)
         pipeline.begin_prompt()
         _, out = connect_video(pipeline, embeds, grid, ctx, extras=extras, timestamps=timestamps)
         promised = pipeline.retained_count(grid)

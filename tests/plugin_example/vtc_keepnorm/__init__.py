@@ -4,49 +4,21 @@ Stage: connect. Written from docs/write-a-plugin.md alone; `tests/test_plugin_pa
 the `vtc` entry-point group and runs vtc's conformance matrix on it.
 """
 
-import dataclasses
-
 import torch
 
 import vtc
 
 
-@dataclasses.dataclass
-class KeepNormParams:
-    ratio: float | None = None  # fraction kept; default: the retention
-
-
 def top_norm(embeds: torch.Tensor, count: int) -> torch.Tensor:
-    """Indices of the `count` tokens with the largest L2 norm, in original order."""
-    return torch.sort(torch.topk(embeds.norm(dim=-1), count).indices).values
+    """Indices of the `count` tokens with the largest L2 norm."""
+    return torch.topk(embeds.norm(dim=-1), count).indices
 
 
-class KeepNorm:
-    def __init__(self, params: KeepNormParams, retention: float | None):
-        self.ratio = params.ratio if params.ratio is not None else (retention or 0.5)
+@vtc.method("keepnorm", paper="(example)", summary="keep the largest-norm tokens")
+class KeepNorm(vtc.TokenSelector):
+    """Keep the tokens with the largest L2 norm, in their original order."""
 
-    def retained_count(self, num_tokens: int, grid, family: str) -> int:
-        # num_tokens: what earlier methods left of this video; grid: its ORIGINAL (T, H, W) token grid
-        return max(1, round(num_tokens * self.ratio))
+    ratio: float | None = vtc.param(None, range="(0, 1]", doc="fraction kept; default: the retention")
 
-    @vtc.hookimpl
-    def vtc_connect(self, tokens, ctx):
-        count = self.retained_count(len(tokens), tokens.grid, ctx.family)
-        if count >= len(tokens):
-            return tokens  # keep everything: return the input itself
-        return tokens.select(top_norm(tokens.embeds, count))
-
-
-@vtc.hookimpl
-def vtc_register_methods(registry):
-    registry.add(
-        vtc.MethodInfo(
-            name="keepnorm",
-            factory=KeepNorm,
-            params=KeepNormParams,
-            stages=("connect",),
-            paper="(example)",
-            summary="keep the largest-norm tokens",
-            fixed_count=True,  # KeepNorm.retained_count gives the exact count
-        )
-    )
+    def choose(self, tokens, count, ctx):
+        return top_norm(tokens.embeds, count)

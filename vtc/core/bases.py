@@ -1,0 +1,199 @@
+"""Bases for what methods do. Each does the wiring of one kind of method, so the method writes one method.
+
+- `TokenSelector` (connect): keep `retained_count` of a video's tokens, the ones `choose` picks, in order.
+- `TokenMerger` (connect): change tokens only through a merge plan (`Merge` / `DenseMerge`).
+- `LayerPruner` (prefill): FastV's "attention at K-1, keep at K" (FastV, PruneVid's stage 2, HoliTom's inner
+  pruning and FrameFusion's prune step are all this).
+- `FrameSampler` (sample): choose the frames the processor sees; reduces no token.
+- `StreamMemoryMethod`: decides what a `vtc.stream` session remembers (`stream_memory(config)`).
+
+A method that does several things (HoliTom, PruneVid, QuoTA) composes them: it holds the part it shares with
+another method as a field or builds it from its parameters, and calls its hook, instead of re-implementing it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from vtc.core.method import Grid, LLMState, Method
+
+if TYPE_CHECKING:  # pragma: no cover
+    from vtc.core.tokens import Context, VideoTokens
+
+Tensor = torch.Tensor
+
+
+def fraction_count(num_tokens: int, fraction: float) -> int:
+    """`round(fraction * n)` (Python rounds half to even), at least 1 and at most n; 0 for no tokens."""
+    if num_tokens == 0:
+        return 0
+    return max(1, min(num_tokens, round(fraction * num_tokens)))
+
+
+class TokenSelector(Method):
+    """Connect stage: keep a subset of each video's tokens.
+
+    The count is `retained_count` (default: `round(fraction * n)`, at least one, where `fraction` is the
+    method's `ratio` field when set, else its share of the retention, else `default_fraction`). With the whole
+    video kept the tokens pass unchanged; otherwise `choose(tokens, count, ctx)` returns the kept indices, which
+    the base sorts (`sort_kept`) and selects. A method whose count depends on the content returns None from
+    `retained_count` and gets `count=None`.
+    """
+
+    default_fraction: ClassVar[float] = 0.5
+    sort_kept: ClassVar[bool] = True  # survivors in their original order (False: the order `choose` gives)
+
+    def fraction(self) -> float:
+        ratio = getattr(self, "ratio", None)
+        if ratio is not None:
+            return float(ratio)
+        return self.retention if self.retention is not None else self.default_fraction
+
+    def retained_count(self, num_tokens: int, grid: Grid, family: str) -> int | None:
+        return fraction_count(num_tokens, self.fraction())
+
+    def choose(self, tokens: VideoTokens, count: int | None, ctx: Context) -> Tensor:
+        """The indices of the tokens to keep (`count` of them when it is not None)."""
+        raise NotImplementedError
+
+    def connect(self, tokens: VideoTokens, ctx: Context) -> VideoTokens:
+        count = self.retained_count(len(tokens), tokens.grid, ctx.family)
+        if count is not None and count >= len(tokens):
+            return tokens
+        keep = self.choose(tokens, count, ctx)
+        return tokens.select(torch.sort(keep).values if self.sort_kept else keep)
+
+
+@dataclasses.dataclass
+class Merge:
+    """A sparse merge plan (see `VideoTokens.merge`): kept anchors and source -> anchor edges with weights."""
+
+    keep: Tensor
+    dst: Tensor
+    src: Tensor
+    src_weight: Tensor
+    keep_weight: Tensor | None = None
+    embeds: Tensor | None = None
+    allow_repeats: bool = False
+
+    def apply(self, tokens: VideoTokens) -> VideoTokens:
+        return tokens.merge(
+            self.keep, self.dst, self.src, self.src_weight, self.keep_weight, self.embeds, self.allow_repeats
+        )
+
+
+@dataclasses.dataclass
+class DenseMerge:
+    """A dense merge plan (see `VideoTokens.merge_dense`): src_weight [K, S], e.g. a transport plan."""
+
+    keep: Tensor
+    keep_weight: Tensor
+    src: Tensor
+    src_weight: Tensor
+    embeds: Tensor | None = None
+    allow_repeats: bool = False
+
+    def apply(self, tokens: VideoTokens) -> VideoTokens:
+        return tokens.merge_dense(
+            self.keep, self.keep_weight, self.src, self.src_weight, self.embeds, self.allow_repeats
+        )
+
+
+class TokenMerger(Method):
+    """Connect stage: fold tokens into others. `plan(tokens, ctx)` returns a `Merge` or `DenseMerge` (or None to
+    keep every token); the base applies it, so every per-token field follows the merge."""
+
+    def plan(self, tokens: VideoTokens, ctx: Context) -> Merge | DenseMerge | None:
+        raise NotImplementedError
+
+    def connect(self, tokens: VideoTokens, ctx: Context) -> VideoTokens:
+        plan = self.plan(tokens, ctx)
+        return tokens if plan is None else plan.apply(tokens)
+
+
+class LayerPruner(Method):
+    """Prefill stage: the attention of LLM layer K-1 ranks the visual tokens, and from layer K on only those of
+    `keep_mask` stay (FastV's schedule). The method gives `prune_layer()` (K) and `keep_mask(llm, ctx)`
+    ([B, n] bool over the sequence at the keep point: True = keep); `skip()` turns it off (keep everything).
+
+    keep_point: where the tokens go: "layer_start" of layer K, ranked by the attention of layer K-1 (FastV), or
+    "after_attention" of layer K (on the residual stream before its MLP), ranked by layer K's own attention
+    (FrameFusion's prune step). attention_rows: the query rows requested at the ranking layer (1: the last prompt
+    token; "after_visual": the text after the video); upcast: compute them in float32, as
+    `output_attentions=True` with eager attention does; prune_cache: also drop the pruned tokens from the KV
+    cache of the layers before K.
+
+    The schedule calls two steps, which a method overrides when it ranks or drops tokens another way:
+    `request(llm, ctx)` at the start of the ranking layer (default: request `attention_rows`) and
+    `prune(llm, ctx)` at the keep point (default: `llm.keep(keep_mask(...))`). `depth_error(num_layers)` is the
+    message when the model has no layer K.
+    """
+
+    owns: ClassVar[frozenset[str]] = frozenset({"llm_token_schedule"})
+    retention_reference: ClassVar[str] = "last_layer"
+    query_aware: ClassVar[bool] = True
+    keep_point: ClassVar[str] = "layer_start"
+    attention_rows: ClassVar[int | str] = 1
+    upcast: ClassVar[bool] = True
+    prune_cache: ClassVar[bool] = False
+
+    def prune_layer(self) -> int:
+        raise NotImplementedError
+
+    def keep_mask(self, llm: LLMState, ctx: Context) -> Tensor:
+        raise NotImplementedError
+
+    def skip(self) -> bool:
+        return False
+
+    def request(self, llm: LLMState, ctx: Context) -> None:
+        """At the start of the ranking layer: ask for the attention rows that rank the tokens."""
+        llm.request_attention(num_rows=self.attention_rows, upcast=self.upcast)
+
+    def prune(self, llm: LLMState, ctx: Context) -> None:
+        """At the keep point of layer K: keep what `keep_mask` keeps."""
+        llm.keep(self.keep_mask(llm, ctx), prune_cache=self.prune_cache)
+
+    def depth_error(self, num_layers: int) -> str:
+        return (
+            f"{self.card.name}: prune layer {self.prune_layer()} but the language model has only {num_layers} layers "
+            f"(0 to {num_layers - 1}); choose an earlier layer"
+        )
+
+    def prefill(self, llm: LLMState, ctx: Context) -> None:
+        if llm.point not in ("layer_start", self.keep_point) or self.skip():
+            return
+        k = self.prune_layer()
+        if k >= llm.num_layers:
+            raise ValueError(self.depth_error(llm.num_layers))
+        ranking = k - 1 if self.keep_point == "layer_start" else k
+        if llm.point == "layer_start" and llm.layer == ranking:
+            self.request(llm, ctx)
+        elif llm.point == self.keep_point and llm.layer == k:
+            self.prune(llm, ctx)
+
+
+def last_token_attention(llm: LLMState, layer: int) -> Tensor:
+    """[B, n]: the head-mean attention the last prompt token paid at `layer` (what FastV ranks by)."""
+    return llm.attention(layer).mean(dim=1)[:, -1]
+
+
+class FrameSampler(Method):
+    """Sample stage: `sample(video, ctx)` returns the frame indices the processor sees. A pipeline has at most
+    one (it owns frame selection); samplers take no share of the retention."""
+
+    reduces_tokens: ClassVar[bool] = False
+    owns: ClassVar[frozenset[str]] = frozenset({"frame_selection"})
+
+
+class StreamMemoryMethod(Method):
+    """Decides what a `vtc.stream` session remembers: `stream_memory(config)` returns the memory
+    (`vtc.core.stream.StreamMemory`) the session stores tokens in and answers from. One per pipeline."""
+
+    owns: ClassVar[frozenset[str]] = frozenset({"stream_memory"})
+
+    def stream_memory(self, config: Any) -> Any:
+        raise NotImplementedError
