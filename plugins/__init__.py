@@ -1,6 +1,6 @@
-"""vtc_plugins: the built-in methods, one module (or package) per compression method plus baselines; every `@vtc.method` class defined here is registered (`vtc.core.registry`).
+"""vtc_plugins: the built-in methods, one module (or package) per compression method, plus baselines.
 
-Every module reads top to bottom as: docstring (paper, official repo, idea, stages), a parameter
-dataclass with the official defaults, the algorithm as pure tensor functions, and a thin plugin class
-whose stage hooks call them. `vtc_register_methods` at the bottom tells vtc about it.
+Every `@vtc.method` class defined here is registered (`vtc.core.registry`). A module reads top to bottom as:
+docstring (paper, official repo, idea, stages, where vtc differs), the algorithm as pure tensor functions, and one
+dataclass on a stage base (`vtc.TokenSelector`, `vtc.LayerPruner`, ...) whose fields are the official defaults.
 """
