@@ -59,6 +59,11 @@ class PrepoolSpy(ConnectSpy):
     prepool = True
 
 
+def renamed(cls, name: str, **attributes):
+    """`cls` again, as a test method named `name`, with class attributes overridden."""
+    return vtc.method(name, paper="test")(type(f"{cls.__name__}_{name}", (cls,), attributes))
+
+
 def install_spy(model, spy: ConnectSpy):
     """Install the spy as the only method of a pipeline; returns the installed `ModelPatch` (remove it with
     `.remove()`)."""

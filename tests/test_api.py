@@ -17,7 +17,7 @@ import torch
 
 import vtc
 from tests.conftest import model_and_processor, single_inputs, videos
-from tests.probes import fake_distribution, keep_plugin_source
+from tests.probes import fake_distribution, keep_plugin_source, renamed
 from vtc.core.pipeline import Pipeline, validate_grid
 from vtc.core.registry import Registry, registry
 from vtc.core.vision_stats import VisionStat
@@ -299,11 +299,6 @@ def one_method(cls) -> Registry:
     methods = Registry()
     methods.add(cls)
     return methods
-
-
-def renamed(cls, name, **attributes):
-    """`cls` again, as a method named `name` (class attributes overridden)."""
-    return vtc.method(name, paper="test")(type(f"{cls.__name__}_{name}", (cls,), attributes))
 
 
 def test_handle_retained_count_uses_the_models_family(monkeypatch):

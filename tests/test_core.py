@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import vtc
+from tests.probes import renamed
 from vtc.core.geometry import DEFAULT_GEOMETRY, FamilyGeometry, default_geometry
 from vtc.core.pipeline import Pipeline, validate_grid
 from vtc.core.registry import Registry
@@ -118,11 +119,6 @@ class Keeper(vtc.Method):
         ctx.state.setdefault("calls", []).append(len(tokens))
         ctx.report(calls=len(ctx.state["calls"]))
         return tokens.select(torch.arange(max(1, round(len(tokens) * self.fraction()))))
-
-
-def renamed(cls, name, **attributes):
-    """`cls` again, as a method named `name` (class attributes overridden)."""
-    return vtc.method(name, paper="test")(type(cls.__name__ + name.upper(), (cls,), attributes))
 
 
 @vtc.method("s", paper="test")

@@ -9,6 +9,7 @@ import torch
 
 import vtc
 from tests.conftest import model_and_processor, single_inputs
+from tests.probes import renamed
 from tests.reference import CAPTURED, start
 from vtc.core.registry import registry
 
@@ -17,7 +18,7 @@ FAMILY = "qwen2_vl"
 
 def register(name, method_cls, **attributes):
     """Register `method_cls` (a `vtc.Method` with a prefill hook) as method `name`, class attributes overridden."""
-    registry().add(vtc.method(name, paper="test")(type(method_cls.__name__, (method_cls,), attributes)))
+    registry().add(renamed(method_cls, name, **attributes))
 
 
 @pytest.fixture

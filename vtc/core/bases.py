@@ -87,12 +87,13 @@ class Merge:
 
 @dataclasses.dataclass
 class DenseMerge:
-    """A dense merge plan (see `VideoTokens.merge_dense`): src_weight [K, S], e.g. a transport plan."""
+    """A dense merge plan (see `VideoTokens.merge_dense`): src_weight [K, S] (e.g. a transport plan), or its
+    diagonal blocks in order (one per frame or clip)."""
 
     keep: Tensor
     keep_weight: Tensor
     src: Tensor
-    src_weight: Tensor
+    src_weight: Tensor | list[Tensor]
     embeds: Tensor | None = None
     allow_repeats: bool = False
 

@@ -151,20 +151,6 @@ class Family:
                 f"this family does not offer (its statistics: {offered}); {method} cannot run on {self.name}"
             )
 
-    def describe(self) -> dict[str, Any]:
-        """What `vtc families --json` / the docs table print."""
-        return {
-            "name": self.name,
-            "summary": self.summary,
-            "model_classes": list(self.model_classes),
-            "processor_classes": list(self.processor_classes),
-            "frame_rule": self.frame_rule,
-            "media_kwargs": list(self.media_kwargs),
-            "vision_stats": sorted(self.vision_stats),
-            "features": sorted(self.features),
-            "geometry": dataclasses.asdict(self.geometry),
-        }
-
 
 def load_object(path: str, what: str) -> Any:
     """Import "module:attribute" (attribute may be dotted)."""

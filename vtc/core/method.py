@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import math
 import re
 import types
@@ -321,12 +322,19 @@ def _describe_type(annotation: Any) -> str:
     return getattr(annotation, "__name__", str(annotation))
 
 
+@functools.lru_cache(maxsize=512)
+def _field_types(cls: type) -> dict[str, Any]:
+    """The resolved annotations of a method class, once per class (resolving them is most of the cost of making
+    an instance, and FrameFusion makes its prune step per layer)."""
+    return typing.get_type_hints(cls)
+
+
 def check_params(method: Method) -> None:
     """Validate every parameter against its annotation, range and choices; a ValueError names the method, the
     parameter, the value and what is allowed. Integers are accepted for float parameters (and stored as floats)."""
     cls = type(method)
     name = cls.card.name if "card" in cls.__dict__ else cls.__name__
-    hints = typing.get_type_hints(cls)
+    hints = _field_types(cls)
     for field in dataclasses.fields(method):
         value = getattr(method, field.name)
         annotation = hints.get(field.name, Any)

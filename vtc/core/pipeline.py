@@ -29,10 +29,14 @@ def parse_spec(spec: str | Iterable[str]) -> list[str]:
     names = [n.strip().lower() for n in names]
     if not names or any(not n for n in names):
         raise ValueError(f"invalid method spec {spec!r}: expected names joined by '+', e.g. 'uniform+fastv'")
+    _refuse_repeats(names, spec)
+    return names
+
+
+def _refuse_repeats(names: list[str], spec: Any) -> None:
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
         raise ValueError(f"method(s) {', '.join(duplicates)} appear twice in spec {spec!r}")
-    return names
 
 
 def spec_methods(spec: Spec, methods: Registry) -> list[Method]:
@@ -51,10 +55,7 @@ def spec_methods(spec: Spec, methods: Registry) -> list[Method]:
             raise TypeError(f"a spec holds method names and method instances, got {type(item).__name__}: {item!r}")
     if not out:
         raise ValueError(f"invalid method spec {spec!r}: it names no method")
-    names = [m.card.name for m in out]
-    duplicates = sorted({n for n in names if names.count(n) > 1})
-    if duplicates:
-        raise ValueError(f"method(s) {', '.join(duplicates)} appear twice in spec {spec!r}")
+    _refuse_repeats([m.card.name for m in out], spec)
     return out
 
 

@@ -87,10 +87,8 @@ def _requested_frames(pipeline, num_frames: int | None, indices: list[int]) -> t
     if not entries:
         return DEFAULT_NUM_FRAMES, f"the default num_frames={DEFAULT_NUM_FRAMES}"
     entry = entries[0]
-    # the method object and its card (older pipelines: the params dataclass and the MethodInfo)
-    method = getattr(entry, "method", None) or getattr(entry, "params", None)
-    name = getattr(getattr(entry, "card", None) or getattr(entry, "info", None), "name", "the sampler")
-    count = getattr(method, "num_frames", None)
+    name = entry.card.name
+    count = getattr(entry.method, "num_frames", None)
     if isinstance(count, int) and not isinstance(count, bool):
         return count, f"{name}'s num_frames={count}"
     return len(indices), f"{name} (sampling {len(indices)} frames)"
