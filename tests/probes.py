@@ -1,9 +1,11 @@
-"""Probes shared by the per-method tests: what the language model receives, and what a connect plugin is given."""
+"""Probes shared by the per-method tests: what the language model receives, what a connect plugin is given, and a
+frame encoder whose right answer is known (samplers)."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 
 import vtc
@@ -105,3 +107,33 @@ def fake_distribution(root, module: str, package: str, entry: str, source: str |
     dist.mkdir(parents=True)
     (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {package}\nVersion: 0.1\n")
     (dist / "entry_points.txt").write_text(f"[vtc]\n{entry} = {module}\n")
+
+
+# --- samplers: an encoder whose right answer is known -------------------------------------------------------------
+class ColourEncoder:
+    """Image features = mean RGB of the frame; the text "red" is (1, 0, 0): red frames score highest."""
+
+    key = "test:colour"
+    logit_scale = 100.0
+    logit_bias = 0.0
+
+    def __init__(self):
+        self.images_encoded = 0
+
+    def encode_images(self, frames):
+        self.images_encoded += len(frames)
+        return torch.as_tensor(frames, dtype=torch.float32).mean(dim=(1, 2)) + 1.0
+
+    def encode_text(self, texts):
+        table = {"red": [1.0, 0.0, 0.0], "blue": [0.0, 0.0, 1.0]}
+        return torch.tensor([table[next(w for w in t.split() if w in table)] for t in texts])
+
+
+def coloured_clip(seconds: int = 20, fps: int = 4, red=(12, 13), blue=(3,)) -> np.ndarray:
+    """A grey [seconds * fps, 32, 32, 3] clip, red during the seconds in `red` and blue during those in `blue`."""
+    frames = np.full((seconds * fps, 32, 32, 3), 90, dtype=np.uint8)
+    for s in red:
+        frames[s * fps : (s + 1) * fps, :, :, 0] = 250
+    for s in blue:
+        frames[s * fps : (s + 1) * fps, :, :, 2] = 250
+    return frames

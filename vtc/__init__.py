@@ -14,6 +14,7 @@ Layout: `vtc.core` (backend-neutral types, registry, pipeline), `vtc.hf` (the Hu
 from vtc.api import PatchHandle, patch, prepare_inputs
 from vtc.core.bases import (
     DenseMerge,
+    FrameChoice,
     FrameSampler,
     LayerPruner,
     Merge,
@@ -39,6 +40,7 @@ __all__ = [
     "Context",
     "DType",
     "DenseMerge",
+    "FrameChoice",
     "FrameSampler",
     "LayerPruner",
     "Merge",

@@ -92,7 +92,8 @@ class PatchHandle:
         (e.g. Qwen's `max_pixels`).
 
         A video with fewer frames than asked for (`num_frames`, or the sampler's own) gets what it has, with a
-        `UserWarning` naming both counts; the warning is also in `handle.stats().warnings` of the next prefill."""
+        `UserWarning` naming both counts; the warning is also in `handle.stats().warnings` of the next prefill, and the
+        frames each video was shown with (indices, timestamps, the sampler's scores) in its `stats().frames`."""
         videos, questions = _as_batch(video, question)
         if messages is not None and isinstance(question, str):
             messages, images = [messages], ([images] if images is not None else None)
@@ -102,10 +103,11 @@ class PatchHandle:
             inputs, _ = prepare_batch(*args, **extra)
             return inputs
         notes: list[str] = []  # sampling warnings (a video with fewer frames than asked): also in the next stats
+        frames: list = []  # the frames each video was shown with (stats().frames)
         # samplers may run the model itself (QuoTA scores frames with it): not through vtc's own hooks
         with self._patch.suspended():
-            inputs, prepared = prepare_batch(*args, **extra, notes=notes)
-        self.recorder.warn_next(notes)
+            inputs, prepared = prepare_batch(*args, **extra, notes=notes, frames=frames)
+        self.recorder.inputs_next(notes, frames)
         if self._patch.tokenizer is None:
             self._patch.tokenizer = getattr(processor, "tokenizer", None)
         # one request at a time: what an earlier prepare call computed is dropped (memory stays bounded)

@@ -182,9 +182,42 @@ def last_token_attention(llm: LLMState, layer: int) -> Tensor:
     return llm.attention(layer).mean(dim=1)[:, -1]
 
 
+@dataclasses.dataclass
+class FrameChoice:
+    """What a sampler chose, with the evidence: `sample` may return this instead of a bare index list, and
+    `handle.stats().frames`, `vtc run` and the lmms-eval records show it.
+
+    indices:    the frames the processor gets (sorted; repeats allowed where the official code keeps them)
+    candidates: the frames the sampler scored (None: it scored none)
+    scores:     one score per candidate (what ranked them, in the method's own units)
+    sizes:      (height, width) per chosen frame, where the sampler resizes frames (None: the video's size)
+    metadata:   what the processor is told about the frames instead of the truth (keys of transformers'
+                `VideoMetadata`: `fps`, `frames_indices`, `total_num_frames`), where the official code tells the
+                model something else (DIG: uniform 0.5 s spacing). None: the real indices and fps.
+    """
+
+    indices: list[int]
+    candidates: list[int] | None = None
+    scores: list[float] | None = None
+    sizes: list[tuple[int, int]] | None = None
+    metadata: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        self.indices = [int(i) for i in self.indices]
+        if self.candidates is not None:
+            self.candidates = [int(i) for i in self.candidates]
+        if self.scores is not None:
+            self.scores = [float(s) for s in self.scores]
+            if self.candidates is None or len(self.scores) != len(self.candidates):
+                raise ValueError("FrameChoice: give one score per candidate frame (candidates= and scores=)")
+        if self.sizes is not None and len(self.sizes) != len(self.indices):
+            raise ValueError(f"FrameChoice: {len(self.sizes)} sizes for {len(self.indices)} chosen frames")
+
+
 class FrameSampler(Method):
-    """Sample stage: `sample(video, ctx)` returns the frame indices the processor sees. A pipeline has at most
-    one (it owns frame selection); samplers take no share of the retention."""
+    """Sample stage: `sample(video, ctx)` returns the frame indices the processor sees (a list, or a `FrameChoice`
+    with the scores behind them). A pipeline has at most one (it owns frame selection); samplers take no share of
+    the retention."""
 
     reduces_tokens: ClassVar[bool] = False
     owns: ClassVar[frozenset[str]] = frozenset({"frame_selection"})

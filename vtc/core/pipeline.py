@@ -333,8 +333,9 @@ class Pipeline:
             recorder.report(name, own.reports)
         return out
 
-    def run_sample(self, video, ctx: Context) -> tuple[list[int], dict[str, Any]] | None:
-        """The sampler's frame indices and what it prepared for later stages (None without a sampler)."""
+    def run_sample(self, video, ctx: Context) -> tuple[Any, dict[str, Any]] | None:
+        """The sampler's frame indices (a list or a `FrameChoice`) and what it prepared for later stages (None
+        without a sampler)."""
         for e in self.stage_entries("sample"):
             state: dict[str, Any] = {}
             own = ctx.replace(state=state, prepared={}, reports={})

@@ -28,6 +28,21 @@ class AttentionFallback:
 
 
 @dataclasses.dataclass
+class FrameSelection:
+    """The frames one video was shown with (`ForwardStats.frames`): what the sample stage chose and why."""
+
+    method: str  # the sampler, or "uniform (default)" when the pipeline has none
+    indices: list[int]  # frame numbers in the video, in the order the model saw them
+    timestamps: list[float]  # their times in the video, seconds (index / fps)
+    total_frames: int
+    fps: float
+    scores: list[float | None] = dataclasses.field(default_factory=list)  # each chosen frame's score (None: unscored)
+    candidates: list[int] = dataclasses.field(default_factory=list)  # every frame the sampler scored
+    candidate_scores: list[float] = dataclasses.field(default_factory=list)
+    sizes: list[tuple[int, int]] | None = None  # (height, width) per chosen frame where the sampler resized them
+
+
+@dataclasses.dataclass
 class ForwardStats:
     """One prefill (a forward call whose prompt contained the video tokens)."""
 
@@ -50,6 +65,8 @@ class ForwardStats:
     note: str = ""
     # what vtc warned about this prompt's inputs (`handle.prepare`: a video with fewer frames than asked for)
     warnings: list[str] = dataclasses.field(default_factory=list)
+    # the frames each video of the prompt was shown with, when `handle.prepare` sampled them
+    frames: list[FrameSelection] = dataclasses.field(default_factory=list)
     # with `prefill` methods: the attention implementation that computed each LLM layer's output at prefill, and the
     # layers that could not keep the model's own (each listed once per prompt)
     layer_attention: list[str] = dataclasses.field(default_factory=list)
@@ -112,6 +129,10 @@ class ForwardStats:
             lines.append(f"per video (grid -> tokens entering the LLM): {per_video}")
         if self.layer_visual_tokens:
             lines.append("per LLM layer: " + " ".join(str(n) for n in self.layer_visual_tokens))
+        for k, sel in enumerate(self.frames):
+            shown = ", ".join(f"{i} ({t:.1f}s)" for i, t in zip(sel.indices[:12], sel.timestamps[:12]))
+            more = f", ... ({len(sel.indices)} in all)" if len(sel.indices) > 12 else ""
+            lines.append(f"frames of video {k} ({sel.method}): {shown}{more}")
         lines += [f"warning: {w}" for w in self.warnings]
         for fb in self.attention_fallbacks:
             lines.append(
@@ -128,17 +149,20 @@ class StatsRecorder:
         self.prefills = 0
         self._current: ForwardStats | None = None
         self._pending_warnings: list[str] = []
+        self._pending_frames: list[FrameSelection] = []
 
-    def warn_next(self, messages: list[str]) -> None:
-        """Warnings about the inputs of the next prefill with a video (what `handle.prepare` warned about), for its
-        `ForwardStats.warnings`; they replace what an earlier call left (one request at a time)."""
-        self._pending_warnings = list(messages)
+    def inputs_next(self, warnings: list[str], frames: list[FrameSelection] | None = None) -> None:
+        """What `handle.prepare` warned about and the frames it chose, for the `ForwardStats.warnings` and `.frames`
+        of the next prefill with a video; they replace what an earlier call left (one request at a time)."""
+        self._pending_warnings = list(warnings)
+        self._pending_frames = list(frames or [])
 
     def begin(self, has_video: bool, **fields) -> ForwardStats:
         self._current = ForwardStats(has_video=has_video, **fields)
-        if has_video and self._pending_warnings:
+        if has_video and (self._pending_warnings or self._pending_frames):
             self._current.warnings.extend(self._pending_warnings)
-            self._pending_warnings = []
+            self._current.frames.extend(self._pending_frames)
+            self._pending_warnings, self._pending_frames = [], []
         return self._current
 
     @property

@@ -10,7 +10,9 @@ import dataclasses
 import warnings
 from typing import Any, Sequence
 
+from vtc.core.bases import FrameChoice
 from vtc.core.families import family_of_processor_class
+from vtc.core.stats import FrameSelection
 from vtc.core.tokens import Context
 from vtc.media.video import VideoSource, sampling_rule, uniform_indices
 
@@ -24,11 +26,15 @@ class SampledVideo:
     source: VideoSource
     prepared: dict[str, Any] = dataclasses.field(default_factory=dict)  # what the sampler hands to later stages
     warnings: list[str] = dataclasses.field(default_factory=list)  # what sampling warned about (`frame_shortfall`)
+    selection: FrameSelection | None = None  # what was chosen and why (`handle.stats().frames`)
+
+    metadata_overrides: dict[str, Any] | None = None  # what the sampler tells the processor instead (`FrameChoice`)
 
     @property
     def metadata(self) -> dict[str, Any]:
-        """Video metadata in the form transformers' video processors take (`video_metadata=`)."""
-        return {
+        """Video metadata in the form transformers' video processors take (`video_metadata=`): the real frame
+        indices and fps, unless the sampler follows an official pipeline that tells the model otherwise."""
+        data = {
             "fps": self.source.fps,
             "total_num_frames": self.source.num_frames,
             "frames_indices": list(self.indices),
@@ -36,6 +42,8 @@ class SampledVideo:
             "width": self.source.width,
             "height": self.source.height,
         }
+        data.update({k: list(v) if k == "frames_indices" else v for k, v in (self.metadata_overrides or {}).items()})
+        return data
 
 
 def sample_frames(
@@ -66,16 +74,36 @@ def sample_frames(
     source = VideoSource.open(video, fps=fps)
     ctx = Context(question=question, family=family, model=model, num_frames=num_frames, processor=processor)
     sampled = pipeline.run_sample(source, ctx) if pipeline is not None else None
-    indices, prepared = sampled if sampled is not None else (None, {})
-    if indices is None:
-        indices = uniform_indices(source.num_frames, num_frames or DEFAULT_NUM_FRAMES, sampling_rule(family))
-    indices = [int(i) for i in indices]
+    chosen, prepared = sampled if sampled is not None else (None, {})
+    method = pipeline.stage_entries("sample")[0].card.name if sampled is not None else "uniform (default)"
+    if chosen is None:
+        chosen = uniform_indices(source.num_frames, num_frames or DEFAULT_NUM_FRAMES, sampling_rule(family))
+    choice = chosen if isinstance(chosen, FrameChoice) else FrameChoice(list(chosen))
+    indices = choice.indices
     if indices != sorted(indices) or not indices:
         raise ValueError(f"a sampler must return a non-empty sorted list of frame indices, got {indices[:8]}...")
     note = frame_shortfall(indices, source.num_frames, *_requested_frames(pipeline, num_frames, indices))
     if note is not None:
         warnings.warn(note, UserWarning, stacklevel=stacklevel)
-    return SampledVideo(source.read(indices), indices, source, prepared, [note] if note is not None else [])
+    selection = frame_selection(method, choice, source)
+    frames = source.read(indices)
+    return SampledVideo(frames, indices, source, prepared, [note] if note else [], selection, choice.metadata)
+
+
+def frame_selection(method: str, choice: FrameChoice, source: VideoSource) -> FrameSelection:
+    """The record of what a sampler chose from `source`: each chosen frame's time and score."""
+    by_frame = dict(zip(choice.candidates or [], choice.scores or []))
+    return FrameSelection(
+        method=method,
+        indices=list(choice.indices),
+        timestamps=[i / source.fps for i in choice.indices],
+        total_frames=source.num_frames,
+        fps=source.fps,
+        scores=[by_frame.get(i) for i in choice.indices],
+        candidates=list(choice.candidates or []),
+        candidate_scores=list(choice.scores or []),
+        sizes=choice.sizes,
+    )
 
 
 def _requested_frames(pipeline, num_frames: int | None, indices: list[int]) -> tuple[int, str]:
@@ -153,6 +181,7 @@ def prepare_batch(
     images: Sequence[list[Any]] | None = None,
     processor_kwargs: dict[str, Any] | None = None,
     notes: list[str] | None = None,
+    frames: list[FrameSelection] | None = None,
 ):
     """Processor inputs (a `BatchFeature`) for one question per video, left-padded for generation, and what
     the sample stage prepared for each video. `family` (default: the processor's) picks the uniform rule.
@@ -161,7 +190,7 @@ def prepare_batch(
     then the question): an evaluation task brings its own. `images` (a list per video) fill the chats' image
     entries. The sample stage still sees `questions`. `processor_kwargs` go to the processor call (Qwen's
     `max_pixels` / `min_pixels`). `notes`, when given, receives every video's sampling warnings (they are also
-    issued as `UserWarning`s)."""
+    issued as `UserWarning`s), and `frames` every video's `FrameSelection`."""
     if len(videos) != len(questions):
         raise ValueError(f"got {len(videos)} videos but {len(questions)} questions; pass one question per video")
     if messages is not None and len(messages) != len(videos):
@@ -172,6 +201,8 @@ def prepare_batch(
         sampled.append(sample_frames(v, q, pipeline, num_frames, fps, model, processor, family, stacklevel=4))
     if notes is not None:
         notes.extend(note for s in sampled for note in s.warnings)
+    if frames is not None:
+        frames.extend(s.selection for s in sampled if s.selection is not None)
     chats = messages if messages is not None else [build_messages(q, system) for q in questions]
     texts = [processor.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) for chat in chats]
     padding = {"padding": True, "padding_side": "left"} if len(texts) > 1 else {}

@@ -95,3 +95,30 @@ def register_tiny_clip() -> bool:
         return False
     open_clip.add_model_config(ASSETS)
     return True
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_dinov2_path() -> str:
+    """A random-weight DINOv2 (2 layers, width 32, patch 14 at 56 px) and its image processor, saved in a temporary
+    directory: what an image-encoder parameter (`encoder=`) of a sampler takes in tests, as a user passes
+    `facebook/dinov2-base`."""
+    import tempfile
+
+    from transformers import BitImageProcessor, Dinov2Config, Dinov2Model
+
+    path = os.path.join(tempfile.mkdtemp(prefix="vtc-tiny-dinov2-"), "dinov2")
+    torch.manual_seed(0)
+    config = Dinov2Config(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=56, patch_size=14
+    )
+    Dinov2Model(config).eval().save_pretrained(path)
+    processor = BitImageProcessor(
+        size={"shortest_edge": 64},
+        crop_size={"height": 56, "width": 56},
+        do_center_crop=True,
+        image_mean=[0.485, 0.456, 0.406],
+        image_std=[0.229, 0.224, 0.225],
+        resample=3,
+    )
+    processor.save_pretrained(path)
+    return path
