@@ -47,7 +47,7 @@ def bolt_frames(scores: list[float], candidate_fps: float, video_fps: float, tot
 class Bolt(vtc.FrameSampler):
     """N frames where the question's CLIP similarity is high: inverse transform sampling with power alpha."""
 
-    num_frames: int = vtc.param(16, range="[1, inf)", doc="N, frames handed to the processor (8 / 16 / 32 in the paper)")
+    num_frames: int = vtc.param(16, range="[1, inf)", doc="N, frames handed to the processor (the paper: 8, 16, 32)")
     alpha: float = vtc.param(3.0, doc="--power: 3 for VideoMME and MLVU, 2.5 for LongVideoBench; -1 = none")
     fps: float = vtc.param(1.0, range="(0, inf)", doc="rate of the scored candidate frames")
     encoder: Any = vtc.param("ViT-L-14", doc="open_clip architecture, or an encoder object (vtc.media.encoders)")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 import vtc
 from vtc.tools.bench import RATIO_KEYS, TIMING_KEYS, spread
 from vtc.tools.cli import main, parse_params
@@ -154,6 +156,58 @@ def test_bench_writes_table_json_and_plot(tmp_path, capsys):
         eff = row["spread"]["efficiency"]
         cell = f"{eff['median']:.2f} ({eff['min']:.2f}–{eff['max']:.2f})"
         assert cell in out and cell in markdown
+
+
+def test_a_toy_tower_gets_no_ttft_figures_and_a_released_shape_gets_ttft_by_stage(tmp_path, capsys, monkeypatch):
+    """Issue 19: TTFT figures only with a vision tower of a released shape; there, every row splits TTFT into
+    sample, decode + processor, vision tower, connect and prefill, with the vision share and the LLM-side ceiling,
+    and a sampler at retention r shows r x frames frames. The released shape is faked with the tiny one (the real
+    ones take 1.6 B parameters), marked released with an LLM of 2 of 8 layers built (LLM time x4)."""
+    import dataclasses
+
+    from vtc.testing import tiny
+
+    released = tiny.SIZES["qwen2.5-vl-7b"]  # Qwen/Qwen2.5-VL-7B-Instruct's config.json
+    tower = released.vision_config({"depth": 4, "hidden_size": 64, "out_hidden_size": released.hidden})
+    assert (tower["depth"], tower["hidden_size"], tower["intermediate_size"], tower["num_heads"]) == (
+        32,
+        1280,
+        3420,
+        16,
+    )
+    assert tower["fullatt_block_indexes"] == [7, 15, 23, 31] and tower["out_hidden_size"] == 3584
+    assert (released.hidden, released.released_layers, released.layer_scale) == (3584, 28, 7.0)
+    with pytest.raises(ValueError, match="Qwen2.5-VL-7B-Instruct, a qwen2_5_vl model, not llava_onevision"):
+        tiny.build("llava_onevision", "qwen2.5-vl-7b")
+
+    argv = ["bench", "--frames", "4", "--repeats", "1", "--methods", "random,uniform", "--retentions", "0.5"]
+    assert main([*argv, "--size", "tiny", "--out", str(tmp_path / "toy")]) == 0
+    out = capsys.readouterr().out
+    assert "no TTFT figures" in out and "TTFT x" not in out and "vision %" not in out
+    toy = json.loads((tmp_path / "toy" / "bench.json").read_text())
+    assert toy["released_tower"] is False and "TTFT" not in (tmp_path / "toy" / "bench.md").read_text()
+
+    fake = dataclasses.replace(
+        tiny.SIZES["tiny"], layers=2, family="qwen2_vl", checkpoint="fake/ckpt", released_layers=8
+    )
+    monkeypatch.setitem(tiny.SIZES, "fake-released", fake)
+    assert main([*argv, "--size", "fake-released", "--out", str(tmp_path / "released")]) == 0
+    out = capsys.readouterr().out
+    assert "no TTFT figures" not in out and "LLM-side ceiling" in out and "LLM time x4" in out
+    report = json.loads((tmp_path / "released" / "bench.json").read_text())
+    assert report["released_tower"] is True and report["layer_scale"] == 4.0
+    rows = {r["method"]: r for r in report["results"]}
+    assert rows["none"]["frames_shown"] == 4 and rows["uniform"]["frames_shown"] == 2  # a sampler: half the frames
+    assert rows["random"]["frames_shown"] == 4 and rows["uniform"]["tokens_out"] == rows["random"]["tokens_out"]
+    for row in report["results"]:
+        for rep in row["per_repeat"]:
+            parts = rep["sample_s"] + rep["decode_s"] + rep["vision_s"] + rep["connect_s"] + rep["prefill_s"]
+            assert 0 < parts <= rep["ttft_s"] * 1.0001  # the stages are inside TTFT (the rest: embedding, hooks)
+            assert 0 < rep["vision_share"] < 1 and rep["llm_ceiling"] > 0
+    # prefill is the 2 built layers' time x 4; TTFT holds the scaled prefill
+    none = rows["none"]["per_repeat"][0]
+    assert none["ttft_s"] >= none["prefill_s"] + none["vision_s"]
+    assert "| vision % |" in (tmp_path / "released" / "bench.md").read_text()
 
 
 def test_stream_demo_asks_at_the_given_times(tmp_path, capsys, monkeypatch):

@@ -40,6 +40,7 @@ class FrameSelection:
     candidates: list[int] = dataclasses.field(default_factory=list)  # every frame the sampler scored
     candidate_scores: list[float] = dataclasses.field(default_factory=list)
     sizes: list[tuple[int, int]] | None = None  # (height, width) per chosen frame where the sampler resized them
+    seconds: float = 0.0  # time the sampler took (scoring included; decoding the chosen frames not)
 
 
 @dataclasses.dataclass

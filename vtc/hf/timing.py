@@ -17,13 +17,11 @@ def synchronize(device: torch.device | str | None = None) -> None:
         torch.cuda.synchronize(device)
 
 
-class LLMTimer:
-    """Times every forward of the model's language model (pre-hook to post-hook). Install it *after*
-    `vtc.patch` so it measures what the LLM does, compression inside it included, and not the connect
-    stage (which vtc records in its stats)."""
+class ModuleTimer:
+    """Times every forward of one module (pre-hook to post-hook): `durations`, `first`, `total`."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.text_model = resolve_adapter(model).text_model
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
         self.durations: list[float] = []
         self._start = 0.0
         self._handles: list = []
@@ -39,8 +37,8 @@ class LLMTimer:
 
         # registered after vtc's hooks: vtc's pre-hook (the connect stage) runs before the clock starts
         self._handles = [
-            self.text_model.register_forward_pre_hook(pre, with_kwargs=True),
-            self.text_model.register_forward_hook(post, with_kwargs=True),
+            self.module.register_forward_pre_hook(pre, with_kwargs=True),
+            self.module.register_forward_hook(post, with_kwargs=True),
         ]
         return self
 
@@ -51,6 +49,25 @@ class LLMTimer:
     @property
     def first(self) -> float:
         return self.durations[0] if self.durations else float("nan")
+
+    @property
+    def total(self) -> float:
+        return sum(self.durations)
+
+
+class LLMTimer(ModuleTimer):
+    """Times every forward of the model's language model. Install it *after* `vtc.patch` so it measures what the
+    LLM does, compression inside it included, and not the connect stage (which vtc records in its stats)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__(resolve_adapter(model).text_model)
+
+
+class VisionTimer(ModuleTimer):
+    """Times every forward of the model's vision tower (the merger / projector of the Qwen families included)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__(resolve_adapter(model).vision_tower)
 
 
 def peak_memory_mb(fn: Callable[[], object]) -> float:

@@ -71,8 +71,8 @@ class ClipEncoder:
         except Exception as err:  # noqa: BLE001 - open_clip and the hub fail in many ways; all mean "not loadable"
             if name not in open_clip.list_models():
                 raise ValueError(
-                    f"unknown CLIP encoder {name!r} for `{param}`: not an open_clip architecture (open_clip.list_models()"
-                    f" has {len(open_clip.list_models())}, e.g. ViT-B-32, ViT-L-14, ViT-SO400M-14-SigLIP)"
+                    f"unknown CLIP encoder {name!r} for `{param}`: not an open_clip architecture (open_clip"
+                    f".list_models() has {len(open_clip.list_models())}, e.g. ViT-B-32, ViT-L-14, ViT-SO400M-14-SigLIP)"
                 ) from err
             hint = _offline_hint(f"{param}_pretrained", "a local open_clip checkpoint file", "/models/vit-l-14.bin")
             raise EncoderLoadError(f"cannot load CLIP {name!r} with weights {pretrained!r}: {hint} ({err})") from err
@@ -82,9 +82,9 @@ class ClipEncoder:
         self.preprocess = preprocess
         self.tokenizer = open_clip.get_tokenizer(name)
         self.key = f"open_clip:{name}:{pretrained}"
-        self.logit_scale = float(self.model.logit_scale.exp()) if hasattr(self.model, "logit_scale") else 100.0
+        self.logit_scale = float(self.model.logit_scale.detach().exp()) if hasattr(self.model, "logit_scale") else 100.0
         bias = getattr(self.model, "logit_bias", None)
-        self.logit_bias = float(bias) if bias is not None else 0.0
+        self.logit_bias = float(bias.detach()) if bias is not None else 0.0
 
     @property
     def device(self) -> torch.device:

@@ -7,6 +7,7 @@ and in user code (`handle.prepare(...)` / `vtc.prepare_inputs(...)`).
 from __future__ import annotations
 
 import dataclasses
+import time
 import warnings
 from typing import Any, Sequence
 
@@ -73,7 +74,9 @@ def sample_frames(
         )
     source = VideoSource.open(video, fps=fps)
     ctx = Context(question=question, family=family, model=model, num_frames=num_frames, processor=processor)
+    start = time.perf_counter()
     sampled = pipeline.run_sample(source, ctx) if pipeline is not None else None
+    seconds = time.perf_counter() - start
     chosen, prepared = sampled if sampled is not None else (None, {})
     method = pipeline.stage_entries("sample")[0].card.name if sampled is not None else "uniform (default)"
     if chosen is None:
@@ -85,12 +88,12 @@ def sample_frames(
     note = frame_shortfall(indices, source.num_frames, *_requested_frames(pipeline, num_frames, indices))
     if note is not None:
         warnings.warn(note, UserWarning, stacklevel=stacklevel)
-    selection = frame_selection(method, choice, source)
+    selection = frame_selection(method, choice, source, seconds)
     frames = source.read(indices)
     return SampledVideo(frames, indices, source, prepared, [note] if note else [], selection, choice.metadata)
 
 
-def frame_selection(method: str, choice: FrameChoice, source: VideoSource) -> FrameSelection:
+def frame_selection(method: str, choice: FrameChoice, source: VideoSource, seconds: float = 0.0) -> FrameSelection:
     """The record of what a sampler chose from `source`: each chosen frame's time and score."""
     by_frame = dict(zip(choice.candidates or [], choice.scores or []))
     return FrameSelection(
@@ -103,6 +106,7 @@ def frame_selection(method: str, choice: FrameChoice, source: VideoSource) -> Fr
         candidates=list(choice.candidates or []),
         candidate_scores=list(choice.scores or []),
         sizes=choice.sizes,
+        seconds=seconds,
     )
 
 

@@ -102,7 +102,8 @@ INTERNVL_CHAT_TEMPLATE = (
 
 @dataclasses.dataclass(frozen=True)
 class TinySize:
-    """Shape of the language model; the vision tower stays small in every size."""
+    """Shape of the language model and, for the released shapes, of the vision tower (the toy sizes keep a
+    2-4 block, 64-wide tower, which hides the tower's share of time to first token)."""
 
     hidden: int = 128
     layers: int = 4
@@ -110,6 +111,121 @@ class TinySize:
     kv_heads: int = 2
     intermediate: int = 256
     vocab: int = 512  # BPE vocabulary to train (the few training sentences may yield fewer tokens)
+    # released shapes: the family they belong to, the checkpoint, its vision config (merged over the family's tiny
+    # one) and its LLM depth, of which `layers` are built (benchmarks scale the LLM's time by released / built)
+    family: str | None = None
+    checkpoint: str | None = None
+    vision: tuple[tuple[str, Any], ...] = ()
+    released_layers: int | None = None
+
+    @property
+    def released(self) -> bool:
+        return self.checkpoint is not None
+
+    @property
+    def layer_scale(self) -> float:
+        """Released LLM depth / built depth (1 for the toy sizes)."""
+        return (self.released_layers or self.layers) / self.layers
+
+    def vision_config(self, tiny: dict[str, Any]) -> dict[str, Any]:
+        """The family's tiny vision config with this shape's released values over it."""
+        merged = dict(tiny)
+        merged.update({key: list(v) if isinstance(v, tuple) else v for key, v in self.vision})
+        return merged
+
+
+_QWEN25_TOWER = (  # Qwen2.5-VL-3B/7B/72B share the vision tower (32 blocks of 1280, window attention)
+    ("depth", 32),
+    ("hidden_size", 1280),
+    ("intermediate_size", 3420),
+    ("num_heads", 16),
+    ("fullatt_block_indexes", (7, 15, 23, 31)),
+    ("window_size", 112),
+)
+_QWEN2_7B = dict(hidden=3584, heads=28, kv_heads=4, intermediate=18944, released_layers=28)
+
+# Released checkpoints' shapes (from their config.json), random weights, 4 LLM layers built: the vision tower is the
+# checkpoint's own, the LLM of its width. `vtc bench --size NAME`.
+RELEASED_SIZES = {
+    "qwen2-vl-7b": TinySize(
+        layers=4,
+        vocab=1024,
+        family="qwen2_vl",
+        checkpoint="Qwen/Qwen2-VL-7B-Instruct",
+        **_QWEN2_7B,
+        vision=(("depth", 32), ("embed_dim", 1280), ("num_heads", 16), ("mlp_ratio", 4)),
+    ),
+    "qwen2.5-vl-7b": TinySize(
+        layers=4,
+        vocab=1024,
+        family="qwen2_5_vl",
+        checkpoint="Qwen/Qwen2.5-VL-7B-Instruct",
+        **_QWEN2_7B,
+        vision=_QWEN25_TOWER,
+    ),
+    "qwen2.5-vl-3b": TinySize(
+        hidden=2048,
+        layers=4,
+        heads=16,
+        kv_heads=2,
+        intermediate=11008,
+        vocab=1024,
+        family="qwen2_5_vl",
+        checkpoint="Qwen/Qwen2.5-VL-3B-Instruct",
+        vision=_QWEN25_TOWER,
+        released_layers=36,
+    ),
+    "qwen3-vl-8b": TinySize(
+        hidden=4096,
+        layers=4,
+        heads=32,
+        kv_heads=8,
+        intermediate=12288,
+        vocab=1024,
+        family="qwen3_vl",
+        checkpoint="Qwen/Qwen3-VL-8B-Instruct",
+        released_layers=36,
+        vision=(
+            ("depth", 27),
+            ("hidden_size", 1152),
+            ("intermediate_size", 4304),
+            ("num_heads", 16),
+            ("num_position_embeddings", 2304),
+            ("deepstack_visual_indexes", (8, 16, 24)),
+        ),
+    ),
+    "llava-onevision-7b": TinySize(  # SigLIP-so400m as LLaVA-OneVision keeps it: 26 of its 27 layers
+        layers=4,
+        vocab=1024,
+        family="llava_onevision",
+        checkpoint="llava-hf/llava-onevision-qwen2-7b-ov-hf",
+        **_QWEN2_7B,
+        vision=(
+            ("hidden_size", 1152),
+            ("intermediate_size", 4304),
+            ("num_hidden_layers", 26),
+            ("num_attention_heads", 16),
+        ),
+    ),
+    "llava-next-video-7b": TinySize(  # CLIP ViT-L/14 at 336 px, a Vicuna-7B LLM
+        hidden=4096,
+        layers=4,
+        heads=32,
+        kv_heads=32,
+        intermediate=11008,
+        vocab=1024,
+        family="llava_next_video",
+        checkpoint="llava-hf/LLaVA-NeXT-Video-7B-hf",
+        released_layers=32,
+        vision=(
+            ("hidden_size", 1024),
+            ("intermediate_size", 4096),
+            ("num_hidden_layers", 24),
+            ("num_attention_heads", 16),
+            ("projection_dim", 768),
+        ),
+    ),
+}
 
 
 SIZES = {
@@ -121,6 +237,7 @@ SIZES = {
     "bench": TinySize(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, vocab=1024),
     # `vtc bench --backend vllm` default: the same shape with 12 layers (the EVS peer measurement's model)
     "bench12": TinySize(hidden=896, layers=12, heads=14, kv_heads=2, intermediate=4864, vocab=1024),
+    **RELEASED_SIZES,
 }
 
 
@@ -210,8 +327,11 @@ def build(family: str, size: str = "tiny", seed: int = 0, dtype: torch.dtype = t
     builder = get_family(family).tiny_builder()  # ValueError naming the known families
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; choose one of {', '.join(SIZES)}")
+    shape = SIZES[size]
+    if shape.family is not None and shape.family != family:
+        raise ValueError(f"size {size!r} is the shape of {shape.checkpoint}, a {shape.family} model, not {family}")
     torch.manual_seed(seed)
-    model, processor = builder(SIZES[size])
+    model, processor = builder(shape)
     tokenizer = getattr(processor, "tokenizer", processor)
     model = model.to(dtype).eval()
     model.generation_config.pad_token_id = tokenizer.pad_token_id
@@ -239,7 +359,9 @@ def build_qwen2_vl(shape: TinySize):
 
     config = Qwen2VLConfig(
         text_config=_qwen_text_config(shape, tokenizer),
-        vision_config=dict(depth=2, embed_dim=64, hidden_size=shape.hidden, num_heads=4, mlp_ratio=2),
+        vision_config=shape.vision_config(
+            dict(depth=2, embed_dim=64, hidden_size=shape.hidden, num_heads=4, mlp_ratio=2)
+        ),
         **_qwen_ids(tokenizer),
     )
     processor = Qwen2VLProcessor(
@@ -263,14 +385,16 @@ def build_qwen2_5_vl(shape: TinySize):
 
     config = Qwen2_5_VLConfig(
         text_config=_qwen_text_config(shape, tokenizer),
-        vision_config=dict(
-            depth=4,
-            hidden_size=64,
-            intermediate_size=128,
-            num_heads=4,
-            out_hidden_size=shape.hidden,
-            fullatt_block_indexes=[1, 3],
-            window_size=56,
+        vision_config=shape.vision_config(
+            dict(
+                depth=4,
+                hidden_size=64,
+                intermediate_size=128,
+                num_heads=4,
+                out_hidden_size=shape.hidden,
+                fullatt_block_indexes=[1, 3],
+                window_size=56,
+            )
         ),
         **_qwen_ids(tokenizer),
     )
@@ -306,15 +430,17 @@ def build_qwen3_vl(shape: TinySize):
     )
     config = Qwen3VLConfig(
         text_config=text,
-        vision_config=dict(
-            depth=3,
-            hidden_size=64,
-            intermediate_size=128,
-            num_heads=4,
-            patch_size=16,
-            out_hidden_size=shape.hidden,
-            num_position_embeddings=256,
-            deepstack_visual_indexes=[0, 1],
+        vision_config=shape.vision_config(
+            dict(
+                depth=3,
+                hidden_size=64,
+                intermediate_size=128,
+                num_heads=4,
+                patch_size=16,
+                out_hidden_size=shape.hidden,
+                num_position_embeddings=256,
+                deepstack_visual_indexes=[0, 1],
+            )
         ),
         **_qwen_ids(tokenizer),
     )
@@ -343,15 +469,17 @@ def build_llava_onevision(shape: TinySize):
     ids = tokenizer.convert_tokens_to_ids
     config = LlavaOnevisionConfig(
         text_config=dict(model_type="qwen2", **_text_config(shape, tokenizer)),
-        vision_config=dict(
-            model_type="siglip_vision_model",
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            image_size=384,
-            patch_size=14,
-            vision_use_head=False,  # LLaVA-OneVision drops SigLIP's pooling head
+        vision_config=shape.vision_config(
+            dict(
+                model_type="siglip_vision_model",
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                image_size=384,
+                patch_size=14,
+                vision_use_head=False,  # LLaVA-OneVision drops SigLIP's pooling head
+            )
         ),
         image_token_index=ids("<image>"),
         video_token_index=ids("<video>"),
@@ -382,15 +510,17 @@ def build_llava_next_video(shape: TinySize):
     ids = tokenizer.convert_tokens_to_ids
     config = LlavaNextVideoConfig(
         text_config=dict(model_type="llama", **_text_config(shape, tokenizer)),
-        vision_config=dict(
-            model_type="clip_vision_model",
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            image_size=336,
-            patch_size=14,
-            projection_dim=64,
+        vision_config=shape.vision_config(
+            dict(
+                model_type="clip_vision_model",
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                image_size=336,
+                patch_size=14,
+                projection_dim=64,
+            )
         ),
         image_token_index=ids("<image>"),
         video_token_index=ids("<video>"),

@@ -37,7 +37,7 @@ from rich.table import Table
 
 import vtc
 from vtc.hf.loading import load_model
-from vtc.hf.timing import LLMTimer, peak_memory_mb, plain_prefill_seconds, synchronize
+from vtc.hf.timing import LLMTimer, VisionTimer, peak_memory_mb, plain_prefill_seconds, synchronize
 from vtc.tools.loading import build_random_model, demo_clip
 from vtc.tools.progress import progress_bar
 
@@ -48,8 +48,19 @@ BENCH_QUESTION = "What happens in this video?"
 DEFAULT_REPEATS = 5
 
 # per-repeat times (seconds) and the ratios formed from them; each is reported as median / min / max
-TIMING_KEYS = ("prefill_s", "ttft_s", "sample_s", "connect_s", "overhead_s", "limit_s", "limit_final_s")
-RATIO_KEYS = ("speedup", "ttft_speedup", "efficiency", "overhead_share")
+TIMING_KEYS = (
+    "prefill_s",
+    "ttft_s",
+    "generate_s",
+    "vision_s",
+    "sample_s",
+    "decode_s",
+    "connect_s",
+    "overhead_s",
+    "limit_s",
+    "limit_final_s",
+)
+RATIO_KEYS = ("speedup", "ttft_speedup", "efficiency", "overhead_share", "vision_share", "llm_ceiling")
 
 
 def params_for(spec: str, params: dict[str, Any]) -> dict[str, Any]:
@@ -69,34 +80,46 @@ def params_for(spec: str, params: dict[str, Any]) -> dict[str, Any]:
     return chosen
 
 
+def only_samplers(spec: str) -> bool:
+    """Whether every method of `spec` is a frame sampler that reduces no token (uniform, bolt, ...)."""
+    from vtc.core.pipeline import parse_spec
+
+    cards = [vtc.registry()[name].card for name in parse_spec(spec)]
+    return all(card.stages == ("sample",) and not card.reduces_tokens for card in cards)
+
+
 def _measure(
     model,
     processor,
-    inputs,
     video,
     frames: int,
     spec: str | None,
     retention: float | None,
     params: dict[str, Any],
     memory: bool,
+    layer_scale: float = 1.0,
 ) -> dict[str, Any]:
-    """One timed `generate(max_new_tokens=1)` (prefill = the LLM's first forward inside it); with `memory`,
-    also one untimed pass measuring the peak memory of the same call. Methods with a sample stage get their
-    inputs from `handle.prepare` (timed separately as the sample stage)."""
+    """One request, timed stage by stage: the inputs built from the video (`handle.prepare`: the sample stage,
+    decoding and the processor), then `generate(max_new_tokens=1)` with the vision tower and the LLM timed inside
+    it. With `memory`, also one untimed pass measuring the peak memory of the same call. The LLM's time is
+    multiplied by `layer_scale` (released depth / built depth) in the prefill, limit and TTFT figures."""
     handle = vtc.patch(model, spec, retention=retention, **params_for(spec, params)) if spec else None
     sample_s = 0.0
+    device = next(model.parameters()).device
     try:
-        if handle is not None and handle.pipeline.has_stage("sample"):
-            start = time.perf_counter()
+        start = time.perf_counter()
+        if handle is not None:
             inputs = handle.prepare(processor, video, BENCH_QUESTION, num_frames=frames)
-            inputs = inputs.to(next(model.parameters()).device)
-            sample_s = time.perf_counter() - start
-        with LLMTimer(model) as timer, torch.no_grad():
+        else:
+            inputs = vtc.prepare_inputs(processor, video, BENCH_QUESTION, "uniform", num_frames=frames)
+        inputs = inputs.to(device)
+        prepare_s = time.perf_counter() - start
+        with LLMTimer(model) as timer, VisionTimer(model) as vision, torch.no_grad():
             synchronize()
             start = time.perf_counter()
             model.generate(**inputs, max_new_tokens=1, do_sample=False)
             synchronize()
-            ttft = time.perf_counter() - start
+            generate_s = time.perf_counter() - start
         stats = handle.stats() if handle else None
         peak = None
         if memory:
@@ -105,7 +128,19 @@ def _measure(
     finally:
         if handle:
             handle.unpatch()
-    row = {"prefill_s": timer.first, "ttft_s": ttft, "sample_s": sample_s}
+    if stats is not None and stats.frames:
+        sample_s = sum(f.seconds for f in stats.frames)
+    prefill = timer.first
+    row = {
+        "prefill_s": prefill * layer_scale,
+        "generate_s": generate_s,
+        "vision_s": vision.total,
+        "sample_s": sample_s,
+        "decode_s": prepare_s - sample_s,
+        # what a user waits for: the inputs, the tower, the connect stage and the whole LLM's prefill
+        "ttft_s": prepare_s + generate_s + (layer_scale - 1.0) * prefill,
+        "frames_shown": int(sum(len(f.indices) for f in stats.frames) if stats and stats.frames else frames),
+    }
     if peak is not None:
         row["peak_mb"] = peak
     if stats is not None:
@@ -136,6 +171,10 @@ def repeat_ratios(row: dict[str, Any], base: dict[str, Any]) -> dict[str, float]
         "ttft_speedup": base["ttft_s"] / row["ttft_s"],
         "efficiency": row["limit_s"] / method_time,
         "overhead_share": row["overhead_s"] / base["prefill_s"],
+        "vision_share": row["vision_s"] / row["ttft_s"],
+        # the best TTFT speedup a method acting only on the LLM's input could reach with this row's final count:
+        # the uncompressed request with its prefill replaced by the plain prefill of that count
+        "llm_ceiling": base["ttft_s"] / (base["ttft_s"] - base["prefill_s"] + row["limit_final_s"]),
     }
 
 
@@ -176,10 +215,21 @@ def bench(
         raise ValueError(f"repeats must be at least 1, got {repeats}")
     console = console or Console()
     params = dict(params or {})
+    layer_scale, released = 1.0, model is not None
     if model is None:
+        from vtc.testing.tiny import SIZES
+
+        shape = SIZES.get(size)
+        family = shape.family if shape is not None and shape.family else family
         with console.status(f"building a random-weight {family} ({size}) model"):
             net, processor = build_random_model(family, size, dtype)
         name = f"random-weight {family} ({size})"
+        if shape is not None and shape.released:
+            released, layer_scale = True, shape.layer_scale
+            name = (
+                f"random-weight {shape.checkpoint} shape (vision tower as released; LLM {shape.layers} of its "
+                f"{shape.released_layers} layers built, LLM time x{layer_scale:g})"
+            )
     else:
         with console.status(f"loading {model}"):
             net, processor = load_model(model, dtype=dtype)
@@ -210,7 +260,13 @@ def bench(
             load.append(os.getloadavg()[0] if hasattr(os, "getloadavg") else None)
             for label, spec, retention in configs:
                 progress.update(task, description=f"{label} @ {retention if retention else 1.0}")
-                row = _measure(net, processor, inputs, video, frames, spec, retention, params, memory=rep == 0)
+                shown, method_retention = frames, retention
+                if spec is not None and only_samplers(spec):
+                    # a sampler reduces frames, not tokens: at retention r it shows r x frames frames
+                    shown, method_retention = max(1, round(frames * retention)), None
+                row = _measure(
+                    net, processor, video, shown, spec, method_retention, params, rep == 0, layer_scale=layer_scale
+                )
                 row.setdefault("tokens_in", visual)
                 row.setdefault("tokens_llm", visual)
                 row.setdefault("tokens_out", visual)
@@ -219,10 +275,12 @@ def bench(
                 row.setdefault("overhead_s", 0.0)
                 # the limit, timed right after the method so both see the same machine state
                 schedule = row["layer_tokens"]
-                row["limit_s"] = plain_prefill_seconds(net, text_tokens, schedule)
+                row["limit_s"] = plain_prefill_seconds(net, text_tokens, schedule) * layer_scale
                 final = [row["tokens_out"]] * num_layers
                 row["limit_final_s"] = (
-                    row["limit_s"] if schedule == final else plain_prefill_seconds(net, text_tokens, final)
+                    row["limit_s"]
+                    if schedule == final
+                    else plain_prefill_seconds(net, text_tokens, final) * layer_scale
                 )
                 measured[(label, retention)].append(row)
                 progress.advance(task)
@@ -246,6 +304,9 @@ def bench(
         "visual_tokens": visual,
         "text_tokens": text_tokens,
         "num_layers": num_layers,
+        "layer_scale": layer_scale,
+        # a vision tower of a released checkpoint's shape (or a real model): TTFT figures count only then
+        "released_tower": released,
         "repeats": repeats,
         # what the plain time and ratio keys of each result are (reports before issue 10 kept the best repeat)
         "aggregate": "median",
@@ -284,37 +345,70 @@ def with_range(r: dict[str, Any], key: str, fmt: str, suffix: str = "", scale: f
 COLUMNS = [
     ("method", lambda r: r["method"]),
     ("ret", lambda r: f"{r['retention']:.2f}"),
+    ("frames", lambda r: str(r["frames_shown"])),
     ("tokens", lambda r: str(r["tokens_out"])),
     ("/layer", lambda r: f"{r['mean_layer_tokens']:.0f}"),
     ("prefill s", lambda r: f"{r['prefill_s']:.2f}"),
-    ("TTFT s", lambda r: f"{r['ttft_s']:.2f}"),
     ("speedup", lambda r: with_range(r, "speedup", ".2f", "x")),
-    ("TTFT x", lambda r: with_range(r, "ttft_speedup", ".2f", "x")),
     ("peak MB", lambda r: f"{r['peak_mb']:.0f}"),
     ("limit s", lambda r: f"{r['limit_s']:.2f}"),
     ("final limit s", lambda r: f"{r['limit_final_s']:.2f}"),
     ("effic.", lambda r: with_range(r, "efficiency", ".2f")),
     ("overhead", lambda r: with_range(r, "overhead_share", ".1f", "%", scale=100)),
-    ("sample s", lambda r: f"{r.get('sample_s', 0.0):.2f}"),
+    # time to first token by stage (only with a released tower: a toy tower overstates every TTFT gain)
+    ("sample s", lambda r: f"{r['sample_s']:.2f}"),
+    ("decode+proc s", lambda r: f"{r['decode_s']:.2f}"),
+    ("vision s", lambda r: f"{r['vision_s']:.2f}"),
+    ("connect s", lambda r: f"{r['connect_s']:.2f}"),
+    ("TTFT s", lambda r: f"{r['ttft_s']:.2f}"),
+    ("vision %", lambda r: f"{100 * r['vision_share']:.0f}%"),
+    ("TTFT x", lambda r: with_range(r, "ttft_speedup", ".2f", "x")),
+    ("LLM-side ceiling", lambda r: f"{r['llm_ceiling']:.2f}x"),
 ]
-# the console splits the columns into three tables, each within 80 columns with the ranges shown
+TTFT_COLUMNS = (
+    "sample s",
+    "decode+proc s",
+    "vision s",
+    "connect s",
+    "TTFT s",
+    "vision %",
+    "TTFT x",
+    "LLM-side ceiling",
+)
+# the console splits the columns into tables, each within 80 columns with the ranges shown
 CONSOLE_TABLES = (
-    ("tokens and memory", ("method", "ret", "tokens", "/layer", "peak MB", "sample s")),
-    ("speed against no compression", ("method", "ret", "prefill s", "TTFT s", "speedup", "TTFT x")),
+    ("tokens and memory", ("method", "ret", "frames", "tokens", "/layer", "peak MB")),
+    ("prefill against no compression", ("method", "ret", "prefill s", "speedup", "limit s", "effic.", "overhead")),
     (
-        "cost against the limit (same per-layer tokens, no compression logic)",
-        ("method", "ret", "limit s", "final limit s", "effic.", "overhead"),
+        "time to first token by stage (LLM-side ceiling: the TTFT speedup of a free LLM-side method with this count)",
+        ("method", "ret", "sample s", "decode+proc s", "vision s", "connect s", "prefill s", "TTFT s"),
+    ),
+    (
+        "time to first token against no compression",
+        ("method", "ret", "TTFT s", "vision %", "TTFT x", "LLM-side ceiling"),
     ),
 )
+TOY_TOWER_NOTE = (
+    "no TTFT figures: this model's vision tower is a toy (2-4 blocks, 64 wide), which hides the tower's share of "
+    "time to first token; run with a released shape (--size qwen2.5-vl-7b, qwen2.5-vl-3b, qwen2-vl-7b, qwen3-vl-8b, "
+    "llava-onevision-7b, llava-next-video-7b) or a real model (--model) for TTFT"
+)
+
+
+def _columns(report: dict[str, Any], headers) -> list[str]:
+    if report.get("released_tower", True):
+        return list(headers)
+    return [h for h in headers if h not in TTFT_COLUMNS]
 
 
 def _title(report: dict[str, Any]) -> str:
     n = report["repeats"]
     stat = "one repeat" if n == 1 else f"median (min–max) of {n} repeats"
-    return (
-        f"{report['model']}: {report['visual_tokens']} visual + {report['text_tokens']} text tokens, "
-        f"{report['num_layers']} layers, {stat}"
+    title = (
+        f"{report['model']}: {report['frames']} frames, {report['visual_tokens']} visual + {report['text_tokens']} "
+        f"text tokens, {report['num_layers']} LLM layers, {stat}"
     )
+    return title if report.get("released_tower", True) else f"{title} (toy vision tower)"
 
 
 def print_table(report: dict[str, Any], console: Console) -> None:
@@ -322,7 +416,12 @@ def print_table(report: dict[str, Any], console: Console) -> None:
     80-column terminal with the ratios' ranges."""
     formatters = dict(COLUMNS)
     console.print(_title(report))
+    if not report.get("released_tower", True):
+        console.print(f"[bold yellow]{TOY_TOWER_NOTE}[/]")
     for title, headers in CONSOLE_TABLES:
+        headers = _columns(report, headers)
+        if len(headers) <= 3:  # nothing but the method, its retention and a TTFT-free leftover
+            continue
         table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
         for header in headers:
             table.add_column(header, justify="left" if header == "method" else "right", no_wrap=header == "method")
@@ -333,7 +432,8 @@ def print_table(report: dict[str, Any], console: Console) -> None:
 
 def markdown_table(report: dict[str, Any]) -> str:
     """All columns as one Markdown table (what docs/benchmarks.md shows)."""
-    columns = COLUMNS
+    keep = set(_columns(report, dict(COLUMNS)))
+    columns = [(h, fmt) for h, fmt in COLUMNS if h in keep]
     lines = ["| " + " | ".join(h for h, _ in columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(fmt(r) for _, fmt in columns) + " |" for r in report["results"]]
     return "\n".join(lines) + "\n"

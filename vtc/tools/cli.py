@@ -323,7 +323,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--model", help="HF model id or local path (default: mid-size random-weight model)")
     bench.add_argument("--video", help="video file (default: the generated demo clip)")
     bench.add_argument("--family", help="family of the random model (default qwen2_vl; vllm: qwen2_5_vl)")
-    bench.add_argument("--size", help="random model size: tiny, demo, bench, bench12 (default bench; vllm: bench12)")
+    bench.add_argument(
+        "--size",
+        help="random model size: tiny, demo, bench, bench12 (toy vision towers: no TTFT figures), or a released "
+        "checkpoint's shape: qwen2.5-vl-7b, qwen2.5-vl-3b, qwen2-vl-7b, qwen3-vl-8b, llava-onevision-7b, "
+        "llava-next-video-7b (default bench; vllm: bench12)",
+    )
     bench.add_argument(
         "--methods", help="comma-separated method specs (default random,fastv,framefusion; vllm: vidcom2)"
     )
