@@ -26,6 +26,7 @@ import torch
 
 import vtc
 from vtc.core.loading import load_pretrained
+from vtc.media.host_llm import ask_text
 from vtc.media.relevance import clip_yes_probabilities, frame_weights, load_clip
 from vtc.media.video import uniform_indices
 
@@ -100,13 +101,8 @@ def relevance_prompt(question: str, objects: list[str]) -> str:
 
 
 def decouple_objects(model, processor, question: str, max_new_tokens: int) -> list[str]:
-    messages = [{"role": "user", "content": [{"type": "text", "text": question + DECOUPLE_PROMPT}]}]
-    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    inputs = processor(text=[text], return_tensors="pt").to(next(model.parameters()).device)
-    with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
-    tokenizer = getattr(processor, "tokenizer", processor)
-    return parse_objects(tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True))
+    """The patched model's own decoupling answer (text only, greedy), parsed."""
+    return parse_objects(ask_text(model, processor, question + DECOUPLE_PROMPT, max_new_tokens))
 
 
 def vlm_yes_probabilities(model, processor, frames, prompt: str, batch_size: int, max_pixels: int) -> list[float]:
