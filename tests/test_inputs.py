@@ -384,3 +384,28 @@ def test_sample_context_fields_are_typed(monkeypatch, clip_path):
         with torch.no_grad():
             model(**inputs)
     assert connect == [{"frames": 40}]
+
+
+def test_what_a_sampler_chose_and_reported_is_in_the_frame_selection():
+    """A sampler may return a `vtc.FrameChoice` (candidates with their scores, metadata the processor is told) and
+    explain itself with `ctx.report(...)`: `SampledVideo.selection` (and `handle.stats().frames`) carries all of it."""
+
+    @vtc.method("test-every-third", paper="test")
+    class EveryThird(vtc.FrameSampler):
+        def sample(self, video, ctx):
+            candidates = list(range(0, video.num_frames, 3))
+            ctx.report(shots=[[0, 3], [6, 9]])
+            return vtc.FrameChoice(
+                candidates[::2], candidates=candidates, scores=[float(c) for c in candidates], metadata={"fps": 2.0}
+            )
+
+    source = VideoSource.open(synthetic_video(12, 32, 32), fps=4)
+    sampled = sample_frames(source, "q", Pipeline(EveryThird()), family="qwen2_vl")
+    chosen = sampled.selection
+    assert sampled.indices == chosen.indices == [0, 6]
+    assert chosen.method == "test-every-third" and chosen.timestamps == [0.0, 1.5]
+    assert chosen.candidates == [0, 3, 6, 9] and chosen.scores == [0.0, 6.0]
+    assert chosen.reports == {"shots": [[[0, 3], [6, 9]]]}
+    assert sampled.metadata["fps"] == 2.0 and sampled.metadata["frames_indices"] == [0, 6]
+    with pytest.raises(ValueError, match="one score per candidate"):
+        vtc.FrameChoice([0], candidates=[0, 1], scores=[1.0])

@@ -335,10 +335,10 @@ class Pipeline:
 
     def run_sample(self, video, ctx: Context) -> tuple[Any, dict[str, Any]] | None:
         """The sampler's frame indices (a list or a `FrameChoice`) and what it prepared for later stages (None
-        without a sampler)."""
+        without a sampler). What it reported (`ctx.report(...)`) is in `ctx.reports` of the context passed in."""
         for e in self.stage_entries("sample"):
             state: dict[str, Any] = {}
-            own = ctx.replace(state=state, prepared={}, reports={})
+            own = ctx.replace(state=state, prepared={}, reports=ctx.reports)
             return e.method.sample(video, own), {e.card.name: state} if state else {}
         return None
 

@@ -41,6 +41,7 @@ class FrameSelection:
     candidate_scores: list[float] = dataclasses.field(default_factory=list)
     sizes: list[tuple[int, int]] | None = None  # (height, width) per chosen frame where the sampler resized them
     seconds: float = 0.0  # time the sampler took (scoring included; decoding the chosen frames not)
+    reports: dict[str, list[Any]] = dataclasses.field(default_factory=dict)  # the sampler's `ctx.report(...)`
 
 
 @dataclasses.dataclass

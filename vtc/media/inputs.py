@@ -73,7 +73,10 @@ def sample_frames(
             f"num_frames must be a positive integer (or None for the method's default), got {num_frames!r}"
         )
     source = VideoSource.open(video, fps=fps)
-    ctx = Context(question=question, family=family, model=model, num_frames=num_frames, processor=processor)
+    reports: dict[str, list[Any]] = {}  # what the sampler explains with ctx.report(...)
+    ctx = Context(
+        question=question, family=family, model=model, num_frames=num_frames, processor=processor, reports=reports
+    )
     start = time.perf_counter()
     sampled = pipeline.run_sample(source, ctx) if pipeline is not None else None
     seconds = time.perf_counter() - start
@@ -89,6 +92,7 @@ def sample_frames(
     if note is not None:
         warnings.warn(note, UserWarning, stacklevel=stacklevel)
     selection = frame_selection(method, choice, source, seconds)
+    selection.reports = reports
     frames = source.read(indices)
     return SampledVideo(frames, indices, source, prepared, [note] if note else [], selection, choice.metadata)
 
