@@ -159,6 +159,32 @@ def test_the_task_brings_its_own_messages(saved):
     assert prompt.count("<|video_pad|>") == record["visual_tokens_in"] == 2 * record["llm_visual_tokens"]
 
 
+def test_a_sampler_runs_per_document_with_the_tasks_question_and_the_record_shows_its_frames(saved):
+    """Issue 19: the `vtc` model runs a sampler on each document with the task's own question; the logged record
+    lists the frames the model was shown (indices, times, scores)."""
+    from tests.probes import ColourEncoder
+    from vtc.lmms_eval.model import VtcModel
+
+    encoder = ColourEncoder()
+    lm = VtcModel(
+        pretrained=saved["qwen2_5_vl"],
+        methods="bolt+vidcom2",
+        retention=0.5,
+        num_frames=4,
+        device="cpu",
+        **{"bolt.encoder": encoder},
+    )
+    video = str(Path(TASK_DIR) / "data" / "clip0.mp4")
+    messages = [{"role": "user", "content": [{"type": "video", "url": video}, {"type": "text", "text": "a red ball?"}]}]
+    _, record = lm.answer(messages, {"max_new_tokens": 1})
+    (frames,) = record["frames"]
+    assert frames["method"] == "bolt" and len(frames["indices"]) == 4 and encoder.images_encoded > 0
+    assert frames["indices"] == sorted(frames["indices"]) and len(frames["scores"]) == 4
+    assert all(s is not None for s in frames["scores"]) and len(frames["timestamps"]) == 4
+    assert record["llm_visual_tokens"] == record["visual_tokens_in"] // 2
+    lm.handle.unpatch()
+
+
 def test_a_document_without_video_runs_uncompressed_and_says_so(saved):
     from PIL import Image
 

@@ -75,7 +75,20 @@ def doc_record(
     ]
     record = _record("hf", grids, counts, stages, times, output_tokens)
     record["layer_visual_tokens"] = list(stats.layer_visual_tokens)
+    if stats.frames:  # what the model was shown: the sampler's frames, their times and scores
+        record["frames"] = [frame_record(f) for f in stats.frames]
     return record
+
+
+def frame_record(selection) -> dict[str, Any]:
+    """A `FrameSelection` as the logged sample keeps it (the candidates' scores left out: they can be thousands)."""
+    return {
+        "method": selection.method,
+        "indices": list(selection.indices),
+        "timestamps": [round(t, 3) for t in selection.timestamps],
+        "scores": list(selection.scores),
+        "sizes": selection.sizes,
+    }
 
 
 def served_record(
