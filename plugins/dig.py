@@ -20,8 +20,9 @@ Where vtc runs differently from the official code:
 - The JSON answers are read without `json_repair` (not a vtc dependency): strict JSON, else the first JSON object in
   the text that has the key, else the key's value by pattern (what `json_repair` recovers from a truncated or
   loosely quoted answer). A reward that is not a finite number counts as a failure.
-- A question the classifier could not type gets uniform frames (the official refinement refines only 'local'); so
-  does a localized question on a video shorter than one second, which has no r-frames (the official code fails).
+- A question the classifier could not type gets uniform frames (the official refinement refines only 'local').
+- A video shorter than one second (the official code has no 2-fps frames there and fails) counts as one second, as
+  in `vtc.media.frame_selection.cafs_candidates`: one shot, one r-frame, the whole clip.
 - Positions: the frames go to the processor as the official lmms-eval wrapper hands a frame list to qwen-vl-utils,
   which tells the model they are 0.5 s apart (`fps=2`, `frames_indices=0..n-1`); `timestamps="real"` passes the
   true frame numbers instead.
@@ -41,6 +42,7 @@ import torch
 import vtc
 from vtc.core.loading import load_pretrained
 from vtc.media.encoders import frame_features, image_encoder
+from vtc.media.frame_selection import cafs_candidates, cafs_chunks, scene_boundaries, scene_cuts
 from vtc.media.video import uniform_indices
 
 # --- the official prompts (utils.py, verbatim: they define the method) ----------------------------------------------
@@ -191,57 +193,28 @@ def reward_prompt(question: str, duration: float, timestamp: float) -> str:
 
 
 # --- CAFS: shot boundaries and r-frames (cafs.py::get_r_frames) -----------------------------------------------------
-def cafs_samples(total_frames: int, video_fps: float, rate: float = 2.0, chunk_seconds: float = 60.0):
-    """The sampled frames and their chunks: `int(T / fps)` whole seconds, `linspace(0, T - 1, seconds * rate)`
-    (truncated), split at `linspace(0, T - 1, ceil(seconds / 60) + 1)` frame edges (the last chunk keeps its end).
-    Returns (samples, chunks), chunks being lists of frame numbers."""
-    seconds = int(total_frames / video_fps)
-    samples = np.linspace(0, total_frames - 1, int(seconds * rate), dtype=int)
-    num_chunks = math.ceil(seconds / chunk_seconds)
-    edges = np.linspace(0, total_frames - 1, num_chunks + 1, dtype=int)
-    chunks = []
-    for c in range(num_chunks):
-        start, end = edges[c], edges[c + 1]
-        inside = samples <= end if c == num_chunks - 1 else samples < end
-        chunks.append(samples[(samples >= start) & inside].tolist())
-    return samples.tolist(), chunks
+# The candidates (2 fps), the 60-s chunks and the find_peaks cut rule are vtc.media.frame_selection's (shared with
+# InfoShot); what is DIG's own is the r-frame of each shot.
+def snapped_midpoints(boundaries: Sequence[int], candidates: Sequence[int]) -> list[int]:
+    """DIG's r-frames: the middle `(a + b) // 2` of every two consecutive boundaries, snapped to the nearest
+    candidate frame (the earlier one on a tie, as `argmin`)."""
+    grid = np.asarray(candidates, dtype=np.int64)
+    return [int(grid[np.abs(grid - (a + b) // 2).argmin()]) for a, b in zip(boundaries[:-1], boundaries[1:])]
 
 
 def cafs_r_frames(
-    chunk_features: Sequence[Any],
-    chunks: Sequence[Sequence[int]],
-    samples: Sequence[int],
+    features,
+    candidates: Sequence[int],
+    chunks: Sequence[Sequence[int]] | None,
     total_frames: int,
     prominence: float = 0.1,
 ) -> tuple[list[int], list[int]]:
-    """(r-frames, boundaries) from each chunk's frame features ([len(chunk), D], mean-pooled DINOv2 officially).
-
-    Within a chunk, `d_i = 1 - cos(v_i, v_{i+1})`; `scipy.signal.find_peaks(d, prominence)` marks cuts at the frame
-    before each peak. Boundaries are 0, every cut, and the last frame; each r-frame is the middle of two consecutive
-    boundaries, snapped to the nearest sampled frame. Neighbours across a chunk edge are not compared."""
-    try:
-        from scipy.signal import find_peaks
-    except ImportError as err:  # pragma: no cover - scipy comes with the dev and samplers extras
-        raise ImportError("dig finds shot boundaries with scipy: pip install scipy (or 'vtc[samplers]')") from err
-    grid = np.asarray(samples, dtype=np.int64)
-    boundaries, r_frames = [0], []
-    for c, (frames, feats) in enumerate(zip(chunks, chunk_features)):
-        if not len(frames):
-            continue
-        cuts: list[int] = []
-        if len(frames) > 1:
-            v = torch.as_tensor(feats, dtype=torch.float32)
-            change = 1 - torch.nn.functional.cosine_similarity(v[:-1], v[1:], dim=1)
-            peaks, _ = find_peaks(change.numpy(), prominence=prominence)
-            cuts = [int(frames[p]) for p in peaks]
-        local = [boundaries[-1], *cuts]
-        boundaries.extend(cuts)
-        if c == len(chunks) - 1:
-            boundaries.append(total_frames - 1)
-            local.append(total_frames - 1)
-        for a, b in zip(local[:-1], local[1:]):
-            r_frames.append(int(grid[np.abs(grid - (a + b) // 2).argmin()]))
-    return r_frames, boundaries
+    """(r-frames, boundaries) from the candidates' features ([len(candidates), D]; mean-pooled DINOv2 officially):
+    cuts by `scene_cuts` within each chunk (positions, `cafs_chunks`), boundaries 0, the cut frames and the last
+    frame, one r-frame per shot. The official loop builds the same lists chunk by chunk: each chunk's midpoints
+    start from the previous chunk's last cut, so together they are the midpoints of consecutive boundaries."""
+    boundaries = scene_boundaries(candidates, scene_cuts(features, chunks, prominence), total_frames)
+    return snapped_midpoints(boundaries, candidates), boundaries
 
 
 # --- refinement and the k frames (video_refinement.py) ---------------------------------------------------------------
@@ -529,27 +502,22 @@ class Dig(vtc.FrameSampler):
                     UserWarning,
                     stacklevel=2,
                 )
-        ctx.state["query_type"] = kind
+        ctx.report(query_type=kind)
         if kind == "local":
-            choice = self._ground(video, ctx, count)
-            if choice is not None:
-                return choice
+            return self._ground(video, ctx, count)
         # global (or untyped): video_refinement.py's np.linspace(0, n - 1, k, dtype=int)
         return vtc.FrameChoice(uniform_indices(video.num_frames, count, "floor"), metadata=self._metadata(count))
 
     def _ground(self, video, ctx, count: int):
         encoder = image_encoder(self.encoder, "mean", param="dig.encoder")
-        samples, chunks = cafs_samples(video.num_frames, video.fps, self.fps, self.chunk_seconds)
-        features = [frame_features(encoder, video, chunk) if chunk else None for chunk in chunks]
-        r_frames, boundaries = cafs_r_frames(features, chunks, samples, video.num_frames, self.prominence)
-        if not r_frames:
-            warnings.warn(
-                f"dig: the video is shorter than one second ({video.num_frames} frames at {video.fps:g} fps), so CAFS "
-                "finds no shots; uniform frames",
-                UserWarning,
-                stacklevel=3,
-            )
-            return None
+        candidates = cafs_candidates(video.num_frames, video.fps, self.fps)
+        chunks = cafs_chunks(candidates, video.num_frames, video.fps, self.chunk_seconds)
+        # one chunk of frames read and encoded at a time, as officially (a long video's frames never all in memory)
+        parts = {}
+        for chunk in chunks:
+            parts.update(zip(chunk, frame_features(encoder, video, [candidates[p] for p in chunk])))
+        features = torch.stack([parts[p] for p in range(len(candidates))])
+        r_frames, boundaries = cafs_r_frames(features, candidates, chunks, video.num_frames, self.prominence)
         rewards, failed = self.rewards(video, r_frames, ctx.question, ctx)
         if failed:
             warnings.warn(
@@ -559,6 +527,6 @@ class Dig(vtc.FrameSampler):
                 stacklevel=3,
             )
         intervals = refine_intervals(rewards, boundaries, self.wlen)
-        ctx.state.update(r_frames=r_frames, boundaries=boundaries, rewards=rewards, intervals=intervals)
+        ctx.report(boundaries=boundaries, intervals=intervals, rewards_failed=failed)
         indices = frames_in_intervals(intervals, count)
         return vtc.FrameChoice(indices, candidates=r_frames, scores=rewards, metadata=self._metadata(count))

@@ -19,13 +19,13 @@ from tests.conftest import model_and_processor
 from tests.probes import ColourEncoder, coloured_clip
 from vtc.core.tokens import Context
 from vtc.media.encoders import FEATURE_CACHE, EncoderLoadError
+from vtc.media.frame_selection import cafs_candidates, cafs_chunks
 from vtc.media.video import VideoSource
 from vtc.testing.fixtures import tiny_dinov2_path
 from vtc_plugins.dig import (
     QUERY_IDENTIFICATION_PROMPT,
     Dig,
     cafs_r_frames,
-    cafs_samples,
     frames_in_intervals,
     parse_query_type,
     parse_reward,
@@ -178,8 +178,9 @@ def test_cafs_is_the_official_get_r_frames_on_random_features(seed):
     scene_of = np.searchsorted(cuts, np.arange(total))
     scenes = rng.normal(size=(scene_of.max() + 1, 16))
     table = torch.tensor(scenes[scene_of] + 0.3 * rng.normal(size=(total, 16)), dtype=torch.float32)
-    samples, chunks = cafs_samples(total, fps, 2, 60)
-    r_frames, boundaries = cafs_r_frames([table[c] for c in chunks], chunks, samples, total, 0.1)
+    candidates = cafs_candidates(total, fps, 2)
+    chunks = cafs_chunks(candidates, total, fps, 60)
+    r_frames, boundaries = cafs_r_frames(table[candidates], candidates, chunks, total, 0.1)
     official = official_get_r_frames(lambda idx: table[torch.as_tensor(idx)], total, fps)
     assert r_frames == official["r_frame_idx"] and boundaries == official["boundaries"]
     assert len(r_frames) == len(boundaries) - 1 > 1
@@ -187,23 +188,18 @@ def test_cafs_is_the_official_get_r_frames_on_random_features(seed):
 
 # --- known answers ---------------------------------------------------------------------------------------------------
 def test_a_scene_cut_is_found_where_the_features_change():
-    samples = list(range(0, 150, 15))  # ten samples, one chunk, a 150-frame video
+    candidates = list(range(0, 150, 15))  # ten candidates, one chunk, a 150-frame video
     feats = torch.tensor([[1.0, 0.0]] * 4 + [[0.0, 1.0]] * 6)
-    # 1 - cos peaks between the 4th and 5th samples: the cut is the 4th sample (frame 45)
-    r_frames, boundaries = cafs_r_frames([feats], [samples], samples, 150)
+    # 1 - cos peaks between the 4th and 5th candidates: the cut is the 4th (frame 45)
+    r_frames, boundaries = cafs_r_frames(feats, candidates, None, 150)
     assert boundaries == [0, 45, 149]
-    assert r_frames == [15, 90]  # middles 22 and 97, snapped to the nearest sample
+    assert r_frames == [15, 90]  # middles 22 and 97, snapped to the nearest candidate
     # a change below the prominence is no cut; a constant video is one shot
     soft = torch.tensor([[1.0, 0.0]] * 4 + [[1.0, 0.3]] * 6)  # 1 - cos = 0.042
-    assert cafs_r_frames([soft], [samples], samples, 150) == ([75], [0, 149])
-    assert cafs_r_frames([soft], [samples], samples, 150, prominence=0.01)[1] == [0, 45, 149]
-
-
-def test_cafs_samples_at_two_fps_in_60_s_chunks():
-    samples, chunks = cafs_samples(3000, 25.0)  # 120 s: 240 samples, two chunks split at frame 1499
-    assert len(samples) == 240 and samples[0] == 0 and samples[-1] == 2999
-    assert [len(c) for c in chunks] == [120, 120] and chunks[0][-1] < 1499 <= chunks[1][0]
-    assert cafs_samples(20, 30.0) == ([], [])  # under a second: nothing to sample (no r-frames)
+    assert cafs_r_frames(soft, candidates, None, 150) == ([75], [0, 149])
+    assert cafs_r_frames(soft, candidates, None, 150, prominence=0.01)[1] == [0, 45, 149]
+    # a change right at a chunk edge is not measured: two chunks meeting there, one shot
+    assert cafs_r_frames(feats, candidates, [[0, 1, 2, 3], [4, 5, 6, 7, 8, 9]], 150)[1] == [0, 149]
 
 
 def test_the_interval_around_a_high_reward_r_frame_is_chosen():
@@ -279,7 +275,7 @@ def test_global_questions_get_uniform_frames_and_the_official_metadata():
     ctx = Context(question="What is the video about?")
     choice = Dig(num_frames=8, classifier=classifier, encoder=ColourEncoder()).sample(clip, ctx)
     assert choice.indices == np.linspace(0, 79, 8, dtype=int).tolist()
-    assert choice.candidates is None and ctx.state["query_type"] == "global"
+    assert choice.candidates is None and ctx.reports["query_type"] == ["global"]
     assert len(classifier.calls) == 1 and classifier.calls[0].endswith("User Query: What is the video about?")
     assert choice.metadata == {"fps": 2.0, "frames_indices": list(range(8)), "total_num_frames": 8, "duration": 4.0}
     assert Dig(query_type="global", timestamps="real").sample(clip, ctx).metadata is None
@@ -292,14 +288,14 @@ def test_a_localized_question_gets_the_frames_around_the_rewarded_shot():
     ctx = Context(question="where is the red ball?")
     choice = Dig(num_frames=6, classifier=says('{"isGlobal": false}'), judge=judge, encoder=encoder).sample(clip, ctx)
     # 20 s at 2 fps: 40 samples; the colour changes make four cuts, five shots: grey, blue, grey, red, grey
-    assert encoder.images_encoded == 40 and ctx.state["query_type"] == "local"
-    boundaries = ctx.state["boundaries"]
+    assert encoder.images_encoded == 40 and ctx.reports["query_type"] == ["local"]
+    boundaries = ctx.reports["boundaries"][0]
     assert len(boundaries) == 6 and boundaries[3] < 48 <= boundaries[4] < 56
-    assert choice.candidates == ctx.state["r_frames"] and len(judge.calls) == 5
+    assert len(choice.candidates) == 5 and len(judge.calls) == 5
     assert choice.scores == [0.0, 0.0, 0.0, 90.0, 0.0]  # only the red shot's r-frame is relevant
     assert 48 <= choice.candidates[3] < 56
     # one positive reward: the window [b[3 - 2], b[min(4, 3 + 2)]], six frames spread over it
-    assert ctx.state["intervals"] == [[boundaries[1], boundaries[4]]]
+    assert ctx.reports["intervals"] == [[[boundaries[1], boundaries[4]]]]
     assert choice.indices == np.linspace(boundaries[1], boundaries[4], 6, dtype=int).tolist()
     assert "Sampled Frame Timestamp: %s seconds" % round(choice.candidates[3] / 4, 2) in judge.calls[3]
     assert "Video Duration: 20.0 seconds" in judge.calls[0]
@@ -322,13 +318,12 @@ def test_function_answers_are_retried_and_failures_take_the_official_fallbacks()
             clip, Context(question="q")
         )
     assert choice.scores == [0.0] * 5 and choice.indices == [0, 26, 52, 79] and len(judge.calls) == 15
-    # under a second of video: no 2-fps samples, no r-frames (the official code fails): uniform frames
+    # under a second of video (the official code has no 2-fps frames there and fails): one second, one shot
     short = VideoSource.open(coloured_clip(seconds=1, fps=3), fps=4)
-    with pytest.warns(UserWarning, match="shorter than one second"):
-        choice = Dig(num_frames=2, query_type="local", judge=judge, encoder=ColourEncoder()).sample(
-            short, Context(question="q")
-        )
-    assert choice.indices == [0, 2] and choice.candidates is None
+    choice = Dig(num_frames=2, query_type="local", judge=says(red_judge), encoder=ColourEncoder()).sample(
+        short, Context(question="q")
+    )
+    assert choice.candidates == [0] and choice.scores == [0.0] and choice.indices == [0, 2]
 
 
 def test_the_metadata_reaches_the_processor():
@@ -356,7 +351,7 @@ def test_end_to_end_on_the_tiny_model_as_classifier_and_judge():
             model(**inputs)
         frames = handle.stats().frames[0]
         assert frames.method == "dig" and frames.indices == np.linspace(0, 79, 8, dtype=int).tolist()
-        assert frames.candidates == []
+        assert frames.candidates == [] and frames.reports == {"query_type": [None]}
     with vtc.patch(model, "dig", encoder=tiny_dinov2_path(), query_type="local", max_new_tokens=4) as handle:
         # no reward parses: every r-frame at 0.0, so the whole video, evenly
         with pytest.warns(UserWarning, match="r-frame rewards could not be read"):
@@ -366,6 +361,9 @@ def test_end_to_end_on_the_tiny_model_as_classifier_and_judge():
         frames = handle.stats().frames[0]
         assert frames.method == "dig" and frames.indices == np.linspace(0, 79, 8, dtype=int).tolist()
         assert frames.candidates and frames.candidate_scores == [0.0] * len(frames.candidates)
+        reports = frames.reports
+        assert reports["query_type"] == ["local"] and reports["rewards_failed"] == [len(frames.candidates)]
+        assert reports["intervals"] == [[[0, 79]]]
         assert all(c % 2 == 0 or c == 79 for c in frames.candidates)  # r-frames are 2-fps samples
 
 
