@@ -318,6 +318,38 @@ def test_vtc_eval_grid_table_plots_resume_and_a_failing_cell(saved, tmp_path, mo
         vtc_eval.evaluate_grid(**{**kwargs, "num_frames": 16})
 
 
+def test_vtc_eval_takes_samplers_and_frame_budgets_as_grid_axes(saved, tmp_path):
+    """`vtc eval --methods bolt --num-frames 4,8`: every frame budget gets its own baseline and sampler cells, the
+    documents are shown that many frames (chosen per document by the sampler), and the table has a frames column."""
+    from vtc.tools import eval as vtc_eval
+
+    report = vtc_eval.evaluate_grid(
+        model=saved["qwen2_5_vl"],
+        tasks=[TASK],
+        methods=["bolt"],
+        retentions=[None],
+        out_dir=str(tmp_path / "grid"),
+        include_path=TASK_DIR,
+        num_frames=[4, 8],
+        limit=2,
+        params={"bolt.encoder": "vtc-tiny-clip", "bolt.encoder_pretrained": None},
+        model_args={"device": "cpu"},
+    )
+    cells = {(c["methods"], c["frames"]): c for c in report["cells"]}
+    assert set(cells) == {(None, 4), ("bolt", 4), (None, 8), ("bolt", 8)}
+    assert all(c["status"] == "ok" for c in cells.values())
+    for frames in (4, 8):
+        samples = (tmp_path / "grid" / "samples" / f"{TASK}__bolt__rdefault__f{frames}.jsonl").read_text().splitlines()
+        records = [json.loads(line)["token_counts"][0]["vtc"] for line in samples]
+        assert [len(r["frames"][0]["indices"]) for r in records] == [frames] * 2
+        assert all(r["frames"][0]["method"] == "bolt" for r in records)
+    table = (tmp_path / "grid" / "table.md").read_text()
+    assert "| frames |" in table and f"| {TASK} | 8 | bolt |" in table
+    with pytest.raises(ValueError, match="positive integers"):
+        vtc_eval.parse_frame_counts("8,0")
+    assert vtc_eval.parse_frame_counts("8,16,none") == [8, 16, None]
+
+
 def test_vtc_eval_on_the_vllm_backend_starts_one_engine_per_cell(saved, tmp_path):
     from vtc.tools.eval import evaluate_grid
 

@@ -222,8 +222,12 @@ def video_key(source) -> tuple:
     if source.path is not None:
         stat = os.stat(source.path)
         return ("file", os.path.realpath(source.path), stat.st_size, stat.st_mtime_ns)
-    frames = np.ascontiguousarray(source.read(range(source.num_frames)))
-    return ("array", frames.shape, hashlib.blake2b(frames.data, digest_size=16).hexdigest())
+    key = getattr(source, "_feature_key", None)
+    if key is None:  # hashed once per source (samplers encode a long video chunk by chunk)
+        frames = np.ascontiguousarray(source.read(range(source.num_frames)))
+        key = ("array", frames.shape, hashlib.blake2b(frames.data, digest_size=16).hexdigest())
+        object.__setattr__(source, "_feature_key", key)
+    return key
 
 
 def frame_features(encoder: FrameEncoder, source, indices: Sequence[int]) -> torch.Tensor:

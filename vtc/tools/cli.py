@@ -174,9 +174,10 @@ def cmd_bench(args, console: Console) -> int:
 
 
 def cmd_eval(args, console: Console) -> int:
-    from vtc.tools.eval import evaluate_grid, parse_methods, parse_retentions
+    from vtc.tools.eval import evaluate_grid, parse_frame_counts, parse_methods, parse_retentions
 
     retentions = parse_retentions(args.retentions)
+    frame_counts = parse_frame_counts(args.num_frames)
     methods = parse_methods(args.methods)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not tasks:
@@ -188,7 +189,7 @@ def cmd_eval(args, console: Console) -> int:
         retentions=retentions,
         out_dir=args.out,
         include_path=args.include_path,
-        num_frames=args.num_frames,
+        num_frames=frame_counts if len(frame_counts) > 1 else frame_counts[0],
         limit=args.limit,
         params=parse_params(args.param),
         model_args={"backend": args.backend, **parse_params(args.model_arg)},
@@ -370,7 +371,9 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--out", default="vtc-eval", help="output directory (rerun with the same one to resume)")
     evaluate.add_argument("--include-path", help="directory of extra lmms-eval task YAMLs (lmms-eval --include_path)")
     evaluate.add_argument(
-        "--num-frames", type=parse_value, default=32, help="frames per video (default 32; none: the sampler's rule)"
+        "--num-frames",
+        default="32",
+        help="frames per video (default 32; none: the sampler's rule); several (8,16,32) make a grid axis",
     )
     evaluate.add_argument("--limit", type=int, help="documents per task (for a quick look)")
     evaluate.add_argument("--param", action="append", metavar="NAME=VALUE", help="method parameter, e.g. k=3")

@@ -38,11 +38,13 @@ class Cell:
     task: str
     methods: str | None  # None: the uncompressed baseline
     retention: float | None  # None with methods: the methods' official defaults
+    frames: int | None = None  # with several --num-frames: this cell's frame budget (None: the one --num-frames)
 
     @property
     def name(self) -> str:
         spec = self.methods or "baseline"
         tail = "" if self.methods is None else "__rdefault" if self.retention is None else f"__r{self.retention:g}"
+        tail += "" if self.frames is None else f"__f{self.frames}"
         return re.sub(r"[^A-Za-z0-9_.+-]", "_", f"{self.task}__{spec}{tail}")
 
     @property
@@ -92,11 +94,34 @@ def check_tasks(tasks: list[str], task_manager) -> None:
         raise ValueError(f"lmms-eval does not know the task(s) {described}; `lmms-eval --tasks list` lists them")
 
 
-def grid_cells(tasks: list[str], methods: list[str], retentions: list[float | None]) -> list[Cell]:
+def parse_frame_counts(text: Any) -> list[int | None]:
+    """`--num-frames`: one frame budget or several (a grid axis), comma-separated positive integers; `none` leaves
+    it to the sampler's own rule."""
+    items = [t.strip() for t in str(text).split(",") if t.strip()]
+    counts: list[int | None] = []
+    for item in items:
+        if item.lower() == "none":
+            counts.append(None)
+        elif item.isdigit() and int(item) > 0:
+            counts.append(int(item))
+        else:
+            raise ValueError(f"--num-frames takes positive integers (e.g. 8,16,32) or none, got {item!r} in {text!r}")
+    if not counts:
+        raise ValueError("--num-frames needs at least one frame count")
+    return counts
+
+
+def grid_cells(
+    tasks: list[str], methods: list[str], retentions: list[float | None], frame_counts: list[int | None] | None = None
+) -> list[Cell]:
+    """Baseline and methods x retentions per task, and per frame budget when there are several (an axis: each
+    budget gets its own baseline)."""
+    axis = frame_counts if frame_counts is not None and len(frame_counts) > 1 else [None]
     cells = []
     for task in tasks:
-        cells.append(Cell(task, None, None))
-        cells += [Cell(task, spec, r) for spec in methods for r in retentions]
+        for frames in axis:
+            cells.append(Cell(task, None, None, frames))
+            cells += [Cell(task, spec, r, frames) for spec in methods for r in retentions]
     return cells
 
 
@@ -134,6 +159,8 @@ def primary_metric(results: dict[str, Any], task: str) -> tuple[str, float | Non
 def run_cell(lm, cell: Cell, task_manager, limit: int | None, params: dict[str, Any]) -> dict[str, Any]:
     from lmms_eval.evaluator import simple_evaluate
 
+    if cell.frames is not None:
+        lm.args.num_frames = cell.frames
     lm.configure(cell.methods, cell.retention, params_for(cell.methods, params) if cell.methods else {})
     results = simple_evaluate(
         model=lm,
@@ -165,15 +192,17 @@ def evaluate_grid(
     retentions: list[float | None],
     out_dir: str,
     include_path: str | None = None,
-    num_frames: int = 32,
+    num_frames: int | None | list[int | None] = 32,
     limit: int | None = None,
     params: dict[str, Any] | None = None,
     model_args: dict[str, Any] | None = None,
     family: str = "qwen2_5_vl",
     console: Console | None = None,
 ) -> dict[str, Any]:
-    """Run the grid (skipping cells already finished in `out_dir`) and write the table and plots."""
+    """Run the grid (skipping cells already finished in `out_dir`) and write the table and plots. `num_frames` may
+    be a list: a grid axis (each cell runs with its own frame budget, each budget with its own baseline)."""
     console = console or Console()
+    frame_counts = list(num_frames) if isinstance(num_frames, (list, tuple)) else [num_frames]
     from lmms_eval.tasks import TaskManager
 
     task_manager = TaskManager(verbosity="ERROR", include_path=include_path, model_name="vtc")
@@ -181,7 +210,7 @@ def evaluate_grid(
     out = Path(out_dir)
     settings = {
         "model": model or f"random-weight {family} (offline demo)",
-        "num_frames": num_frames,
+        "num_frames": frame_counts if len(frame_counts) > 1 else frame_counts[0],
         "limit": limit,
         "params": params or {},
         "model_args": model_args or {},
@@ -190,11 +219,11 @@ def evaluate_grid(
     (out / "cells").mkdir(parents=True, exist_ok=True)
     (out / "samples").mkdir(exist_ok=True)
     _write_json(out / "settings.json", settings)
-    cells = grid_cells(tasks, methods, retentions)
+    cells = grid_cells(tasks, methods, retentions, frame_counts)
     todo = [c for c in cells if _load_cell(out, c).get("status") != "ok"]
     console.print(f"vtc eval: {len(cells)} cells, {len(cells) - len(todo)} already finished in {out}")
     if todo:
-        lm = _build_model(model, family, num_frames, model_args or {}, out, console)
+        lm = _build_model(model, family, frame_counts[0], model_args or {}, out, console)
         with progress_bar(console) as progress, contextlib.ExitStack() as cleanup:
             if lm.args.backend == "hf":  # the grid leaves the model as it was loaded (unpatched)
                 cleanup.callback(lm.configure, None)
@@ -202,6 +231,8 @@ def evaluate_grid(
             for cell in todo:
                 progress.update(bar, description=f"{cell.task}: {cell.label} r={_retention_text(cell)}")
                 record: dict[str, Any] = {"task": cell.task, "methods": cell.methods, "retention": cell.retention}
+                if cell.frames is not None:
+                    record["frames"] = cell.frames
                 try:
                     result = run_cell(lm, cell, task_manager, limit, params or {})
                     samples = result.pop("_samples")
@@ -268,7 +299,8 @@ def _retention_text(cell: Cell) -> str:
 def _load_cell(out: Path, cell: Cell) -> dict[str, Any]:
     path = out / "cells" / f"{cell.name}.json"
     if not path.exists():
-        return {"task": cell.task, "methods": cell.methods, "retention": cell.retention, "status": "missing"}
+        missing = {"task": cell.task, "methods": cell.methods, "retention": cell.retention, "status": "missing"}
+        return {**missing, "frames": cell.frames} if cell.frames is not None else missing
     return json.loads(path.read_text())
 
 
@@ -291,15 +323,18 @@ def table_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per finished cell, with its TTFT speedup over its task's baseline."""
     rows = []
     ok = [c for c in report["cells"] if c.get("status") == "ok"]
-    base_ttft = {c["task"]: c["efficiency"].get("ttft_s") for c in ok if c["methods"] is None}
+    base_ttft = {(c["task"], c.get("frames")): c["efficiency"].get("ttft_s") for c in ok if c["methods"] is None}
     for c in ok:
         eff = c["efficiency"]
-        base = base_ttft.get(c["task"])
+        base = base_ttft.get((c["task"], c.get("frames")))
         ttft = eff.get("ttft_s")
         rows.append(
             {
                 "task": c["task"],
+                "frames": c.get("frames"),
                 "methods": c["methods"] or "baseline",
+                # one curve per method (and frame budget, with that axis)
+                "series": (c["methods"] or "baseline") + (f" @ {c['frames']} frames" if c.get("frames") else ""),
                 # requested; a cell run at the methods' defaults shows what it kept at the LLM's last layer
                 "retention": c["retention"] if c["retention"] is not None else 1.0 if c["methods"] is None else None,
                 "plotted_retention": c["retention"] or eff.get("retention_last_layer"),
@@ -319,6 +354,7 @@ def table_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
 
 COLUMNS = [
     ("task", lambda r: r["task"]),
+    ("frames", lambda r: _num(r["frames"], "d")),
     ("methods", lambda r: r["methods"]),
     ("retention", lambda r: "default" if r["retention"] is None else f"{r['retention']:g}"),
     ("score", lambda r: "-" if r["value"] is None else f"{r['value']:.4g} ({r['metric']})"),
@@ -334,6 +370,13 @@ COLUMNS = [
 ]
 
 
+def _columns(rows: list[dict[str, Any]]):
+    """The table's columns: "frames" only when the grid has a frame-budget axis."""
+    if any(r.get("frames") is not None for r in rows):
+        return COLUMNS
+    return [c for c in COLUMNS if c[0] != "frames"]
+
+
 def _num(value, fmt: str) -> str:
     return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, fmt)
 
@@ -343,19 +386,19 @@ def markdown_table(report: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         f"Model: {report['model']}. Visual tokens and times are means per document; TTFT x is the speedup over "
         "the task's baseline measured in the same run.",
         "",
-        "| " + " | ".join(name for name, _ in COLUMNS) + " |",
-        "|" + "|".join("---" for _ in COLUMNS) + "|",
+        "| " + " | ".join(name for name, _ in _columns(rows)) + " |",
+        "|" + "|".join("---" for _ in _columns(rows)) + "|",
     ]
-    lines += ["| " + " | ".join(fmt(r) for _, fmt in COLUMNS) + " |" for r in rows]
+    lines += ["| " + " | ".join(fmt(r) for _, fmt in _columns(rows)) + " |" for r in rows]
     return "\n".join(lines) + "\n"
 
 
 def rich_table(report: dict[str, Any], rows: list[dict[str, Any]]) -> Table:
     table = Table(title=f"vtc eval: {report['model']}")
-    for name, _ in COLUMNS:
+    for name, _ in _columns(rows):
         table.add_column(name, justify="left" if name in ("task", "methods") else "right")
     for r in rows:
-        table.add_row(*(fmt(r) for _, fmt in COLUMNS))
+        table.add_row(*(fmt(r) for _, fmt in _columns(rows)))
     return table
 
 
@@ -380,9 +423,10 @@ def plot(report: dict[str, Any], rows: list[dict[str, Any]], path: str) -> None:
     fig, axes = plt.subplots(len(tasks), 2, figsize=(11, 4 * len(tasks)), squeeze=False)
     for (ax_r, ax_t), task in zip(axes, tasks):
         task_rows = [r for r in rows if r["task"] == task and r["value"] is not None]
-        for label in dict.fromkeys(r["methods"] for r in task_rows):
-            mine = sorted((r for r in task_rows if r["methods"] == label), key=lambda r: r["plotted_retention"] or 1)
-            style = {"marker": "*", "markersize": 14, "linestyle": "none"} if label == "baseline" else {"marker": "o"}
+        for label in dict.fromkeys(r["series"] for r in task_rows):
+            mine = sorted((r for r in task_rows if r["series"] == label), key=lambda r: r["plotted_retention"] or 1)
+            baseline = mine[0]["methods"] == "baseline"
+            style = {"marker": "*", "markersize": 14, "linestyle": "none"} if baseline else {"marker": "o"}
             ax_r.plot([r["plotted_retention"] for r in mine], [r["value"] for r in mine], label=label, **style)
             timed = [r for r in mine if r["ttft_s"] is not None]
             ax_t.plot([r["ttft_s"] for r in timed], [r["value"] for r in timed], label=label, **style)
