@@ -137,3 +137,13 @@ def coloured_clip(seconds: int = 20, fps: int = 4, red=(12, 13), blue=(3,)) -> n
     for s in blue:
         frames[s * fps : (s + 1) * fps, :, :, 2] = 250
     return frames
+
+
+# --- the conformance matrix, split over two files -----------------------------------------------------------------
+def matrix_half(k: int) -> list:
+    """The conformance cases of every other family of the registry, starting at family `k` (0 or 1)."""
+    from vtc.core.families import family_names
+    from vtc.testing import conformance
+
+    families = set(family_names()[k::2])
+    return [case for case in conformance.cases() if case.family in families]

@@ -202,3 +202,21 @@ def test_write_a_plugin_example_registers_and_passes(offline):
             matrix["test_conformance"](case)
     finally:
         registry.remove("keepnorm")
+
+
+def test_every_method_has_a_row_in_the_methods_table_and_a_page():
+    """`vtc methods` and the README agree: each built-in method is a row of the methods table, whose docs link
+    is a page that exists and names the method."""
+    import re
+
+    import vtc
+
+    readme = (ROOT / "README.md").read_text()
+    rows = dict(re.findall(r"^\| `([^`]+)` \|.*\[[^\]]+\]\((docs/methods/[^)]+\.md)\) \|$", readme, re.M))
+    builtin = [card.name for card in vtc.methods() if card.cls.__module__.startswith("vtc_plugins.")]
+    missing = [name for name in builtin if name not in rows]
+    assert not missing, f"methods without a README row: {missing}"
+    for name in builtin:
+        page = ROOT / rows[name]
+        assert page.exists(), f"{name}: {rows[name]} does not exist"
+        assert name in page.read_text(), f"{page} does not name {name}"
