@@ -354,7 +354,7 @@ UNIFORM_FPS = 2.0  # qwen-vl-utils' sample_fps for a video given as a list of fr
     paper="DIG (CVPR 2026)",
     url="https://arxiv.org/abs/2512.04000",
     summary="global questions get uniform frames; localized ones the LMM-rewarded shots (DINOv2 cuts) widened, merged",
-    test_params={"max_new_tokens": 8},
+    test_params={"max_new_tokens": 8, "encoder": "vtc-tiny-dinov2"},
 )
 class Dig(vtc.FrameSampler):
     """Query-type-adaptive frame selection: uniform for global questions, reward-grounded shots for localized ones."""

@@ -122,6 +122,7 @@ def infoshot_positions(embeddings, shots: Sequence[Shot], budget: int) -> tuple[
     paper="InfoShot (arXiv 2603.17374, abstract only)",
     url="https://arxiv.org/abs/2603.17374",
     summary="shots by DINOv2 scene cuts fitted to K/2; per shot the frame nearest its mean and its most deviant frame",
+    test_params={"encoder": "vtc-tiny-dinov2"},
 )
 class InfoShot(vtc.FrameSampler):
     """Two frames per shot: the shot's representative and its most unusual frame (vtc's reading of the abstract)."""

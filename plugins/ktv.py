@@ -245,19 +245,7 @@ def cls_logits(cls_attention: Tensor) -> Tensor:
 # --- the methods ------------------------------------------------------------------------------------------------
 
 
-class _TestDinov2:
-    """For `test_params` only: the random tiny DINOv2 of `vtc.testing.fixtures.tiny_dinov2_path`, built on first
-    use (the conformance matrix passes it as `encoder=`; users pass a model name or path)."""
-
-    key = "vtc.testing:tiny-dinov2:pooler"
-
-    def encode_images(self, frames):
-        from vtc.testing.fixtures import tiny_dinov2_path
-
-        return image_encoder(tiny_dinov2_path(), pooling="pooler", param="ktv.encoder").encode_images(frames)
-
-
-TEST_PARAMS = {"encoder": _TestDinov2(), "clip": "vtc-tiny-clip", "clip_pretrained": None, "attention_layer": -1}
+TEST_PARAMS = {"encoder": "vtc-tiny-dinov2", "clip": "vtc-tiny-clip", "clip_pretrained": None, "attention_layer": -1}
 POSITIONS_EXEMPTION = (
     "the keyframes are other frames than the reference's uniform ones, so the same frame content sits at other "
     "positions; tests/test_ktv.py checks the positions on the reference frames"

@@ -20,7 +20,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import os
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -139,6 +139,15 @@ class DinoEncoder:
 
 _ENCODERS: dict[tuple, Any] = {}
 
+# names that stand for a local directory made on first use (`register_alias`; the test suite's "vtc-tiny-dinov2" is
+# a random DINOv2 saved in a temporary directory, as "vtc-tiny-clip" is an open_clip config)
+ALIASES: dict[str, Callable[[], str]] = {}
+
+
+def register_alias(name: str, make_path: Callable[[], str]) -> None:
+    """Let `image_encoder(name)` load the directory `make_path()` returns (called once, on first use)."""
+    ALIASES[name] = make_path
+
 
 def clip_encoder(spec: Any, pretrained: str | None = None, *, param: str = "encoder") -> TextImageEncoder:
     """A CLIP encoder from an open_clip architecture name (+ weights tag or local checkpoint file), or `spec` itself
@@ -156,6 +165,8 @@ def image_encoder(spec: Any, pooling: str = "mean", *, param: str = "encoder") -
     Loaded once per process."""
     if not isinstance(spec, str):
         return _checked_object(spec, param, ("encode_images",))
+    if spec in ALIASES:
+        spec = ALIASES[spec]()
     key = ("image", spec, pooling)
     if key not in _ENCODERS:
         _ENCODERS[key] = DinoEncoder(spec, pooling, param=param)

@@ -53,6 +53,7 @@ from vtc.testing.fixtures import (
     batch_inputs,
     model_and_processor,
     register_tiny_clip,
+    register_tiny_dinov2,
     single_inputs,
     token_grids,
     videos,
@@ -154,8 +155,8 @@ def _test_params(spec: str) -> dict:
 
 
 def _patch(model, spec: str, retention: float, **params):
-    if any(name == "quota-clip" for name in spec.split("+")):
-        register_tiny_clip()
+    register_tiny_clip()  # the test encoders test_params may name ("vtc-tiny-clip", "vtc-tiny-dinov2")
+    register_tiny_dinov2()
     return patch(model, spec, retention=retention, **{**_test_params(spec), **params})
 
 

@@ -122,3 +122,11 @@ def tiny_dinov2_path() -> str:
     )
     processor.save_pretrained(path)
     return path
+
+
+def register_tiny_dinov2() -> None:
+    """Make `"vtc-tiny-dinov2"` an image-encoder name (`tiny_dinov2_path`, saved on first use), for the samplers'
+    `test_params`."""
+    from vtc.media.encoders import register_alias
+
+    register_alias("vtc-tiny-dinov2", tiny_dinov2_path)
