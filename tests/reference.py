@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 
+import numpy as np
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -148,3 +149,45 @@ def extend_inputs(inputs, new_tokens: torch.Tensor) -> dict:
     if "mm_token_type_ids" in inputs:
         out["mm_token_type_ids"] = torch.cat([inputs["mm_token_type_ids"], torch.zeros_like(new_tokens)], dim=1)
     return out
+
+
+# --- DIG's CAFS scene cuts (vtc.media.frame_selection: dig and infoshot) ---------------------------------------
+def official_get_r_frames(features_of, total_frames, fps, samples_per_sec=2):
+    """Jialuo-Li/DIG (ffe6d25) pipeline/cafs.py::get_r_frames, transcribed (DIG's r-frames; InfoShot's shots use the
+    same cuts); `features_of(indices)` stands in for decord + DINOv2 mean features. Also returns the 2-fps
+    candidates."""
+    import torch.nn.functional as F
+    from scipy.signal import find_peaks
+
+    video_len_sec = int(total_frames / fps)
+    num_segments = math.ceil(video_len_sec / 60)
+    target_frame_indices = np.linspace(0, total_frames - 1, video_len_sec * samples_per_sec, dtype=int)
+    segment_boundaries = np.linspace(0, total_frames - 1, num_segments + 1, dtype=int)
+    frame_chunks = []
+    for i, (start, end) in enumerate(zip(segment_boundaries[:-1], segment_boundaries[1:])):
+        mask = (target_frame_indices >= start) & (
+            target_frame_indices <= end if i == len(segment_boundaries) - 2 else target_frame_indices < end
+        )
+        frame_chunks.append(target_frame_indices[mask])
+    cuts, result_frames = [0], []
+    for i, chunk_indices in enumerate(frame_chunks):
+        if len(chunk_indices) == 0:
+            continue
+        chunk_features = features_of(chunk_indices)
+        if chunk_features.shape[0] > 1:
+            diffs = 1 - F.cosine_similarity(chunk_features[:-1], chunk_features[1:], dim=1)
+            peaks, _ = find_peaks(diffs.detach().cpu().numpy(), prominence=0.1)
+            current_peaks = chunk_indices[peaks].tolist()
+            temp_cuts = [cuts[-1]] + current_peaks
+            cuts.extend(current_peaks)
+        else:
+            temp_cuts = [cuts[-1]]
+        if i == len(frame_chunks) - 1:
+            cuts.append(total_frames - 1)
+            temp_cuts.append(total_frames - 1)
+        mid_points = [(start + end) // 2 for start, end in zip(temp_cuts[:-1], temp_cuts[1:])]
+        if mid_points:
+            sample_frames_np = np.array(target_frame_indices)
+            nearest_indices = [np.abs(sample_frames_np - m).argmin() for m in mid_points]
+            result_frames.extend(sample_frames_np[nearest_indices].tolist())
+    return {"r_frame_idx": result_frames, "boundaries": cuts, "candidates": target_frame_indices.tolist()}

@@ -6,17 +6,14 @@ the tiny model as classifier and judge, whose noise takes the official fallbacks
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
-from scipy.signal import find_peaks
 
 import vtc
 from tests.conftest import model_and_processor
 from tests.probes import ColourEncoder, coloured_clip
+from tests.reference import official_get_r_frames
 from vtc.core.tokens import Context
 from vtc.media.encoders import FEATURE_CACHE, EncoderLoadError
 from vtc.media.frame_selection import cafs_candidates, cafs_chunks
@@ -35,42 +32,6 @@ from vtc_plugins.dig import (
 
 
 # --- the official code (Jialuo-Li/DIG ffe6d25), transcribed --------------------------------------------------------
-def official_get_r_frames(features_of, total_frames, fps, samples_per_sec=2):
-    """pipeline/cafs.py::get_r_frames; `features_of(indices)` stands in for decord + DINOv2 mean features."""
-    video_len_sec = int(total_frames / fps)
-    num_segments = math.ceil(video_len_sec / 60)
-    target_frame_indices = np.linspace(0, total_frames - 1, video_len_sec * samples_per_sec, dtype=int)
-    segment_boundaries = np.linspace(0, total_frames - 1, num_segments + 1, dtype=int)
-    frame_chunks = []
-    for i, (start, end) in enumerate(zip(segment_boundaries[:-1], segment_boundaries[1:])):
-        mask = (target_frame_indices >= start) & (
-            target_frame_indices <= end if i == len(segment_boundaries) - 2 else target_frame_indices < end
-        )
-        frame_chunks.append(target_frame_indices[mask])
-    cuts, result_frames = [0], []
-    for i, chunk_indices in enumerate(frame_chunks):
-        if len(chunk_indices) == 0:
-            continue
-        chunk_features = features_of(chunk_indices)
-        if chunk_features.shape[0] > 1:
-            diffs = 1 - F.cosine_similarity(chunk_features[:-1], chunk_features[1:], dim=1)
-            peaks, _ = find_peaks(diffs.detach().cpu().numpy(), prominence=0.1)
-            current_peaks = chunk_indices[peaks].tolist()
-            temp_cuts = [cuts[-1]] + current_peaks
-            cuts.extend(current_peaks)
-        else:
-            temp_cuts = [cuts[-1]]
-        if i == len(frame_chunks) - 1:
-            cuts.append(total_frames - 1)
-            temp_cuts.append(total_frames - 1)
-        mid_points = [(start + end) // 2 for start, end in zip(temp_cuts[:-1], temp_cuts[1:])]
-        if mid_points:
-            sample_frames_np = np.array(target_frame_indices)
-            nearest_indices = [np.abs(sample_frames_np - m).argmin() for m in mid_points]
-            result_frames.extend(sample_frames_np[nearest_indices].tolist())
-    return {"r_frame_idx": result_frames, "boundaries": cuts}
-
-
 def official_merge_intervals(intervals):
     """pipeline/video_refinement.py::merge_intervals."""
     if not intervals:

@@ -11,43 +11,15 @@ import sys
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 import vtc
 from tests.conftest import model_and_processor
 from tests.probes import ColourEncoder, coloured_clip
+from tests.reference import official_get_r_frames
 from vtc.media.encoders import FEATURE_CACHE, EncoderLoadError, image_encoder
 from vtc.media.frame_selection import cafs_candidates, cafs_chunks, scene_boundaries, scene_cuts
 from vtc.testing.fixtures import tiny_dinov2_path
 from vtc_plugins.infoshot import fit_shots, infoshot_positions, shot_keyframes, shots_from_cuts
-
-
-def official_boundaries(features_of, total_frames, fps, samples_per_sec=2):
-    """Jialuo-Li/DIG pipeline/cafs.py::get_r_frames (ffe6d25), transcribed: the frames, chunks and cuts, with
-    `features_of(frame_indices)` standing in for decoding and DINOv2. Returns (candidates, boundaries)."""
-    from scipy.signal import find_peaks
-
-    video_len_sec = int(total_frames / fps)
-    num_segments = math.ceil(video_len_sec / 60)
-    target_frame_indices = np.linspace(0, total_frames - 1, video_len_sec * samples_per_sec, dtype=int)
-    segment_boundaries = np.linspace(0, total_frames - 1, num_segments + 1, dtype=int)
-    frame_chunks = []
-    for i, (start, end) in enumerate(zip(segment_boundaries[:-1], segment_boundaries[1:])):
-        last = i == len(segment_boundaries) - 2
-        mask = (target_frame_indices >= start) & (target_frame_indices <= end if last else target_frame_indices < end)
-        frame_chunks.append(target_frame_indices[mask])
-    cuts = [0]
-    for i, chunk_indices in enumerate(frame_chunks):
-        if len(chunk_indices) == 0:
-            continue
-        chunk_features = features_of(chunk_indices)
-        if chunk_features.shape[0] > 1:
-            diffs = 1 - F.cosine_similarity(chunk_features[:-1], chunk_features[1:], dim=1)
-            peaks, _ = find_peaks(diffs.detach().cpu().numpy(), prominence=0.1)
-            cuts.extend(chunk_indices[peaks].tolist())
-        if i == len(frame_chunks) - 1:
-            cuts.append(total_frames - 1)
-    return target_frame_indices.tolist(), cuts
 
 
 def scene_features(total_frames, seed):
@@ -65,7 +37,8 @@ def scene_features(total_frames, seed):
 def test_scene_cuts_are_dig_cafs_official_on_random_scenes(seconds, seed):
     total, fps = seconds * 10 + 3, 10.0
     video = scene_features(total, seed)
-    candidates, boundaries = official_boundaries(lambda idx: video[idx], total, fps)
+    official = official_get_r_frames(lambda idx: video[idx], total, fps)
+    candidates, boundaries = official["candidates"], official["boundaries"]
     assert cafs_candidates(total, fps, 2) == candidates
     chunks = cafs_chunks(candidates, total, fps)
     assert len(chunks) == math.ceil(seconds / 60) and sum(map(len, chunks)) == len(candidates)
