@@ -112,3 +112,14 @@ def test_bad_inputs_name_the_problem():
         clip_encoder("ViT-B-32", "laion2b_s34b_b79k", param="bolt.encoder")
     with pytest.raises(TypeError, match="encode_text"):
         clip_encoder(object(), param="bolt.encoder")
+
+
+@pytest.mark.parametrize("spec,against", [("bolt+vidcom2", True), ("infoshot", False), ("ktv-keyframes", False)])
+def test_vllm_serving_refuses_samplers_until_it_runs_them(spec, against):
+    """The vLLM backend cannot drop frames yet (vLLM decodes and encodes them before any vtc hook): a sampler in a
+    serving config is refused before the server starts, with what to do instead."""
+    from vtc.vllm.config import ServeConfig
+
+    name = spec.split("+")[0]
+    with pytest.raises(ValueError, match=f"{name} chooses frames{' against the question' if against else ''} \\("):
+        ServeConfig(methods=spec, retention=0.5).check_methods()

@@ -173,11 +173,12 @@ class ServeConfig:
         for name in parse_spec(self.methods):
             info = methods[name].card  # raises naming the installed methods
             if "sample" in info.stages:
+                against = " against the question" if info.query_aware else ""
                 raise ValueError(
-                    f"{name} chooses frames against the question (sample stage); a vLLM server caches its encoder "
-                    "output per video, across questions, so it cannot run there. Select the frames on the client "
-                    "with vtc.vllm.client.select_frames (QuoTA's frame relevance) and send only those; methods the "
-                    "server runs: " + allowed
+                    f"{name} chooses frames{against} (sample stage), which vtc's vLLM backend does not run yet (the "
+                    "frames are decoded and encoded before any vtc hook). Select the frames on the client (vtc."
+                    "prepare_inputs with the sampler, or vtc.vllm.client.select_frames) and send only those; "
+                    "methods the server runs: " + allowed
                 )
             if "prefill" in info.stages or info.acts_in_llm:
                 part = CONNECT_PARTS.get(name)
