@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 import vtc
@@ -256,3 +257,26 @@ def test_bench_stream_writes_table_json_and_plot(tmp_path, monkeypatch, capsys):
     assert naive[1]["stored_tokens"] == 2 * naive[0]["stored_tokens"] == result["tokens_per_patch"] * 16
     assert (out / "bench-stream.png").stat().st_size > 0
     assert "KV compression" in (out / "bench-stream.md").read_text()
+
+
+def test_viz_writes_the_three_pictures_with_no_arguments_but_a_size(tmp_path, capsys):
+    """`vtc viz` (the offline demo, here on the tiny model): the frame timeline with BOLT's scores and chosen
+    frames, the chosen frames with their kept tokens, and tokens per LLM layer; each PNG opens, has the expected
+    size and is not blank. With a prefill method the layer picture shows the drop inside the LLM."""
+    from PIL import Image
+
+    from vtc.tools.viz import viz
+
+    assert main(["viz", "--size", "tiny", "--num-frames", "4", "--out", str(tmp_path / "demo")]) == 0
+    printed = capsys.readouterr().out
+    assert "frames shown:" in printed
+    shown = json.loads(printed.split("frames shown: ")[1].split(" (bolt)")[0])
+    # one 352-px panel per distinct chosen frame (BOLT repeats frames the question matches)
+    sizes = {"timeline": (1210, 396), "kept_tokens": (352 * len(set(shown)), 330), "layers": (880, 374)}
+    for name, size in sizes.items():
+        image = np.asarray(Image.open(tmp_path / "demo" / f"{name}.png").convert("L"), dtype=np.float32)
+        assert image.shape[::-1] == size, name
+        assert image.std() > 10, f"{name}.png is blank"
+
+    result = viz(methods="uniform+fastv", retention=0.5, num_frames=4, size="tiny", out=str(tmp_path / "fastv"))
+    assert len(result["frames"]) == 4 and set(result["paths"]) == set(sizes)

@@ -49,6 +49,7 @@ def offline(tmp_path, monkeypatch):
     import vtc.tools.loading
     import vtc.tools.run
     import vtc.tools.stream
+    import vtc.tools.viz
 
     built: dict[str, tuple] = {}
 
@@ -67,7 +68,7 @@ def offline(tmp_path, monkeypatch):
     monkeypatch.setattr(AutoProcessor, "from_pretrained", stand_in(AutoProcessor, 1))
     load = lambda name, **kw: get(name)  # noqa: E731
     small = lambda family, size, dtype="float32": tiny.build(family, size="tiny")  # noqa: E731
-    for module in (vtc.tools.run, vtc.tools.bench, vtc.tools.stream):
+    for module in (vtc.tools.run, vtc.tools.bench, vtc.tools.stream, vtc.tools.viz):
         monkeypatch.setattr(module, "load_model", load)
         monkeypatch.setattr(module, "build_random_model", small)
     # `vtc bench` as written, at 2 repeats: the default's extra repeats only multiply the run time (~30 s each

@@ -1,4 +1,5 @@
-"""Command line: `vtc methods`, `vtc run`, `vtc bench`, `vtc bench-kernels`, `vtc eval`, `vtc serve`, `vtc stream`."""
+"""Command line: `vtc methods`, `vtc run`, `vtc bench`, `vtc bench-kernels`, `vtc eval`, `vtc viz`, `vtc serve`,
+`vtc stream`."""
 
 from __future__ import annotations
 
@@ -199,6 +200,25 @@ def cmd_eval(args, console: Console) -> int:
     return 0 if all(c.get("status") == "ok" for c in report["cells"]) else 1
 
 
+def cmd_viz(args, console: Console) -> int:
+    from vtc.tools.viz import viz
+
+    viz(
+        video=args.video,
+        question=args.question,
+        methods=args.methods,
+        retention=args.retention,
+        num_frames=args.num_frames,
+        model=args.model,
+        params=parse_params(args.param),
+        out=args.out,
+        family=args.family,
+        size=args.size,
+        console=console,
+    )
+    return 0
+
+
 def _retention_range(text: str) -> tuple[float, float]:
     try:
         low, high = (float(v) for v in text.split(","))
@@ -385,6 +405,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--backend", choices=("hf", "vllm"), default="hf", help="hf (default) or vllm (one engine per cell)"
     )
 
+    picture = sub.add_parser(
+        "viz",
+        help="PNGs of what a pipeline showed the model: frame timeline with scores, kept tokens, tokens per layer",
+        description="vtc viz [VIDEO] --question Q --methods bolt+vidcom2 --out DIR (no arguments: the offline demo)",
+    )
+    picture.add_argument("video", nargs="?", help="video file (default: the generated demo clip)")
+    picture.add_argument("--question", help="the question (default: the demo's)")
+    picture.add_argument("--methods", default="bolt+vidcom2", help="method spec (default bolt+vidcom2)")
+    picture.add_argument("--retention", type=float, default=0.25, help="fraction of visual tokens kept (default 0.25)")
+    picture.add_argument("--num-frames", type=int, default=16, help="frames the sampler chooses (default 16)")
+    picture.add_argument("--model", help="HF model id or local path (default: the random-weight demo model)")
+    picture.add_argument("--param", action="append", metavar="NAME=VALUE", help="method parameter, e.g. bolt.alpha=3")
+    picture.add_argument("--out", default="vtc-viz", help="directory for timeline.png, kept_tokens.png, layers.png")
+    picture.add_argument("--family", default="qwen2_5_vl", help="demo model family")
+    picture.add_argument("--size", default="demo", help="demo model size")
+
     serve = sub.add_parser(
         "serve",
         help="vLLM's OpenAI-compatible server with compression (any further option goes to `vllm serve`)",
@@ -468,6 +504,7 @@ def main(argv: list[str] | None = None) -> int:
         "run": cmd_run,
         "bench": cmd_bench,
         "eval": cmd_eval,
+        "viz": cmd_viz,
         "serve": cmd_serve,
         "stream": cmd_stream,
         "bench-kernels": cmd_bench_kernels,
