@@ -99,6 +99,10 @@ def test_run_demo_on_a_tiny_model(tmp_path, capsys):
     assert result["demo"] is True
     assert stats["visual_tokens_out"] == round(stats["visual_tokens_in"] * 0.3)
     assert result["prefill_s"]["baseline"] > 0 and result["prefill_s"]["compressed"] > 0
+    # what the model was shown: the sampler's frames, printed and in the JSON
+    (frames,) = stats["frames"]
+    assert frames["method"] == "uniform" and len(frames["indices"]) == 4
+    assert f"frames shown (uniform; frame (time, score)): {frames['indices'][0]} (0.0 s)" in printed
 
 
 def test_run_errors_are_clear(capsys):

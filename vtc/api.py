@@ -107,7 +107,7 @@ class PatchHandle:
         # samplers may run the model itself (QuoTA scores frames with it): not through vtc's own hooks
         with self._patch.suspended():
             inputs, prepared = prepare_batch(*args, **extra, notes=notes, frames=frames)
-        self.recorder.inputs_next(notes, frames)
+        self.recorder.inputs_next(notes)
         if self._patch.tokenizer is None:
             self._patch.tokenizer = getattr(processor, "tokenizer", None)
         # one request at a time: what an earlier prepare call computed is dropped (memory stays bounded)
@@ -115,7 +115,8 @@ class PatchHandle:
         mask = inputs["attention_mask"].bool()
         for b, q in enumerate(questions):
             ids = tuple(inputs["input_ids"][b][mask[b]].tolist())
-            self._patch.prepared[ids] = {"question": q, "methods": prepared[b]}
+            # the frames go with the prompt: every forward of it (a warm-up, a second generate) reports them
+            self._patch.prepared[ids] = {"question": q, "methods": prepared[b], "frames": frames[b : b + 1]}
         return inputs
 
 

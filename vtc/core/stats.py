@@ -67,7 +67,7 @@ class ForwardStats:
     note: str = ""
     # what vtc warned about this prompt's inputs (`handle.prepare`: a video with fewer frames than asked for)
     warnings: list[str] = dataclasses.field(default_factory=list)
-    # the frames each video of the prompt was shown with, when `handle.prepare` sampled them
+    # the frames each video of the prompt was shown with, when `handle.prepare` sampled them (one per batch row)
     frames: list[FrameSelection] = dataclasses.field(default_factory=list)
     # with `prefill` methods: the attention implementation that computed each LLM layer's output at prefill, and the
     # layers that could not keep the model's own (each listed once per prompt)
@@ -151,20 +151,17 @@ class StatsRecorder:
         self.prefills = 0
         self._current: ForwardStats | None = None
         self._pending_warnings: list[str] = []
-        self._pending_frames: list[FrameSelection] = []
 
-    def inputs_next(self, warnings: list[str], frames: list[FrameSelection] | None = None) -> None:
-        """What `handle.prepare` warned about and the frames it chose, for the `ForwardStats.warnings` and `.frames`
-        of the next prefill with a video; they replace what an earlier call left (one request at a time)."""
+    def inputs_next(self, warnings: list[str]) -> None:
+        """What `handle.prepare` warned about, for the `ForwardStats.warnings` of the next prefill with a video; it
+        replaces what an earlier call left (one request at a time)."""
         self._pending_warnings = list(warnings)
-        self._pending_frames = list(frames or [])
 
     def begin(self, has_video: bool, **fields) -> ForwardStats:
         self._current = ForwardStats(has_video=has_video, **fields)
-        if has_video and (self._pending_warnings or self._pending_frames):
+        if has_video and self._pending_warnings:
             self._current.warnings.extend(self._pending_warnings)
-            self._current.frames.extend(self._pending_frames)
-            self._pending_warnings, self._pending_frames = [], []
+            self._pending_warnings = []
         return self._current
 
     @property

@@ -345,6 +345,9 @@ class ModelPatch:
             visual_tokens_in=sum(s.num_tokens for s in spans),
             sequence_in=length,
         )
+        for b in range(bsz):  # the frames handle.prepare chose for this prompt, row by row
+            row = captured.input_ids[b][mask[b].bool().to(captured.input_ids.device)]
+            stats.frames.extend(self.prepared.get(tuple(row.tolist()), {}).get("frames", []))
         vision = self.vision.video_stats(spans) if self.vision is not None else [{} for _ in spans]
         prepool = self.prepool.per_video([s.grid[0] for s in spans]) if self.prepool is not None else None
         self.pipeline.begin_prompt()  # every method's ctx.state starts empty for this prompt

@@ -115,6 +115,12 @@ def run(
     console.print(timing)
     if handle.pipeline.has_stage("sample"):
         console.print(f"sample stage (frame selection before the processor): {sample_s:.2f} s")
+    for chosen in stats.frames:  # what the model was shown (also in the JSON: stats.frames)
+        shown = ", ".join(
+            f"{i} ({t:.1f} s{'' if score is None else f', {score:.3g}'})"
+            for i, t, score in zip(chosen.indices, chosen.timestamps, chosen.scores)
+        )
+        console.print(f"frames shown ({chosen.method}; frame (time, score)): {shown}")
     console.print(f"[bold]answer (no compression):[/bold] {answers['baseline']!r}")
     console.print(f"[bold]answer ({methods}):[/bold] {answers['compressed']!r}")
     if demo:
