@@ -34,6 +34,7 @@ __all__ = [
     "candidate_frames",
     "gumbel_noise",
     "qfs_ranking",
+    "resize_frames",
     "tier_counts",
     "tier_weights",
     "tiers_by_rank",
@@ -197,36 +198,46 @@ class QFrame(QFrameQFS):
         return max(1, round(num_tokens * self.retention)) if self.retention is not None else None
 
     def connect(self, tokens, ctx):
-        info = ctx.prepared
-        if "weights" not in info:
+        if "weights" not in ctx.prepared:
             raise ValueError(
                 "q-frame sizes frames from the tiers its sample stage chose: build the inputs with "
                 "handle.prepare(processor, video, question) on the patched model"
             )
-        if not tokens.is_full_grid:
-            raise ValueError("q-frame resizes whole frames: put it before other connect methods that drop tokens")
-        t, h0, w0 = tokens.grid
-        counts = self.budgets(info["weights"], len(tokens), tokens.grid)
-        frame_maps = ctx.prepool if ctx.prepool is not None else tokens.embeds.reshape(t, h0, w0, -1)
-        pieces, anchors = [], []
-        extras: dict[str, list[torch.Tensor]] = {name: [] for name in tokens.extras}
-        for f, count in enumerate(counts):
-            if count <= 0:
-                continue
-            cells, (h, w) = frame_cells(frame_maps[f], count, h0, w0)
-            pieces.append(cells)
-            anchors.append(f * h0 * w0 + anchor_cells(h, w, h0, w0)[: cells.shape[0]])
-            for name, values in tokens.extras.items():
-                part = frame_cells(values.reshape(t, h0, w0, -1)[f], count, h0, w0)[0]
-                extras[name].append(part.reshape(-1, *values.shape[1:]))
-        features = torch.cat(pieces)
-        if ctx.prepool is not None and ctx.project is not None:
-            features = ctx.project(features)
-        out = tokens.select(torch.cat(anchors).to(tokens.embeds.device), allow_repeats=True)
-        out.embeds = features.to(tokens.embeds.device, tokens.embeds.dtype)
-        out.extras = {name: torch.cat(parts).to(tokens.extras[name].dtype) for name, parts in extras.items()}
+        whole_frames_only(tokens, self.card.name)
+        counts = self.budgets(ctx.prepared["weights"], len(tokens), tokens.grid)
         ctx.report(budgets=counts)
-        return out
+        return resize_frames(tokens, ctx, counts)
+
+
+def whole_frames_only(tokens, name: str) -> None:
+    if not tokens.is_full_grid:
+        raise ValueError(f"{name} resizes whole frames: put it before other connect methods that drop tokens")
+
+
+def resize_frames(tokens, ctx, counts: list[int], shapes: list | None = None):
+    """Each grid frame's map (the pre-pool map where there is one) at its count of tokens (`frame_cells`; a frame
+    at 0 is dropped), placed at its anchor cells, projected where the model projects after pooling."""
+    t, h0, w0 = tokens.grid
+    frame_maps = ctx.prepool if ctx.prepool is not None else tokens.embeds.reshape(t, h0, w0, -1)
+    pieces, anchors = [], []
+    extras: dict[str, list[torch.Tensor]] = {name: [] for name in tokens.extras}
+    for f, count in enumerate(counts):
+        if count <= 0:
+            continue
+        shape = shapes[f] if shapes is not None else None
+        cells, (h, w) = frame_cells(frame_maps[f], count, h0, w0, shape)
+        pieces.append(cells)
+        anchors.append(f * h0 * w0 + anchor_cells(h, w, h0, w0)[: cells.shape[0]])
+        for name, values in tokens.extras.items():
+            part = frame_cells(values.reshape(t, h0, w0, -1)[f], count, h0, w0, shape)[0]
+            extras[name].append(part.reshape(-1, *values.shape[1:]))
+    features = torch.cat(pieces)
+    if ctx.prepool is not None and ctx.project is not None:
+        features = ctx.project(features)
+    out = tokens.select(torch.cat(anchors).to(tokens.embeds.device), allow_repeats=True)
+    out.embeds = features.to(tokens.embeds.device, tokens.embeds.dtype)
+    out.extras = {name: torch.cat(parts).to(tokens.extras[name].dtype) for name, parts in extras.items()}
+    return out
 
 
 def own_fraction(shares: list[float], grid_frames: int) -> float:
@@ -237,12 +248,20 @@ def own_fraction(shares: list[float], grid_frames: int) -> float:
     return sum(padded) / len(padded)
 
 
-def frame_cells(frame: torch.Tensor, count: int, h0: int, w0: int) -> tuple[torch.Tensor, tuple[int, int]]:
+def frame_cells(
+    frame: torch.Tensor, count: int, h0: int, w0: int, shape: tuple[int, int] | None = None
+) -> tuple[torch.Tensor, tuple[int, int]]:
     """One frame's map [h, w, D] at `count` tokens: a full frame keeps the model's h0 x w0 grid (its own cells, or
-    a pre-pool map resized bilinearly to it); a smaller share is QuoTA's `resize_frame` (exact count)."""
-    if count != h0 * w0:
-        return resize_frame(frame, count, exact=True)
-    if tuple(frame.shape[:2]) != (h0, w0):
+    a pre-pool map resized bilinearly to it); a smaller share is QuoTA's `resize_frame` (exact count), or with
+    `shape` (h, w), h * w = count, a bilinear resize to exactly that grid."""
+    if shape is None or tuple(shape) == (h0, w0):
+        if count != h0 * w0:
+            return resize_frame(frame, count, exact=True)
+        shape = (h0, w0)
+    h, w = int(shape[0]), int(shape[1])
+    if h * w != count:
+        raise ValueError(f"frame_cells: a {h} x {w} grid has {h * w} cells, not {count}")
+    if tuple(frame.shape[:2]) != (h, w):
         x = frame.permute(2, 0, 1)[None].float()
-        frame = torch.nn.functional.interpolate(x, size=(h0, w0), mode="bilinear")[0].permute(1, 2, 0).to(frame.dtype)
-    return frame.reshape(h0 * w0, -1), (h0, w0)
+        frame = torch.nn.functional.interpolate(x, size=(h, w), mode="bilinear")[0].permute(1, 2, 0).to(frame.dtype)
+    return frame.reshape(h * w, -1), (h, w)
