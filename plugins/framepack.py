@@ -28,8 +28,8 @@ import torch
 
 import vtc
 from vtc.media.encoders import clip_encoder, frame_features
-from vtc_plugins.qframe import candidate_frames, resize_frames, whole_frames_only
-from vtc_plugins.quota import token_budgets
+from vtc_plugins.qframe import candidate_frames, resize_frames
+from vtc_plugins.quota import token_budgets, whole_frames_only
 
 __all__ = ["FramePackU", "grid_ranks", "ladder_pack", "minmax", "mmr_ranking", "tier_shape"]
 

@@ -26,7 +26,8 @@ import torch
 import vtc
 from vtc.media.encoders import clip_encoder, frame_features, similarity_logits
 from vtc.media.video import uniform_indices
-from vtc_plugins.quota import anchor_cells, grid_frame_weights, resize_frame, token_budgets
+from vtc_plugins.quota import grid_frame_weights, resize_frame, token_budgets, whole_frames_only
+from vtc_plugins.quota import resize_frames as quota_resize_frames
 
 __all__ = [
     "QFrame",
@@ -209,35 +210,15 @@ class QFrame(QFrameQFS):
         return resize_frames(tokens, ctx, counts)
 
 
-def whole_frames_only(tokens, name: str) -> None:
-    if not tokens.is_full_grid:
-        raise ValueError(f"{name} resizes whole frames: put it before other connect methods that drop tokens")
-
-
 def resize_frames(tokens, ctx, counts: list[int], shapes: list | None = None):
-    """Each grid frame's map (the pre-pool map where there is one) at its count of tokens (`frame_cells`; a frame
-    at 0 is dropped), placed at its anchor cells, projected where the model projects after pooling."""
-    t, h0, w0 = tokens.grid
-    frame_maps = ctx.prepool if ctx.prepool is not None else tokens.embeds.reshape(t, h0, w0, -1)
-    pieces, anchors = [], []
-    extras: dict[str, list[torch.Tensor]] = {name: [] for name in tokens.extras}
-    for f, count in enumerate(counts):
-        if count <= 0:
-            continue
-        shape = shapes[f] if shapes is not None else None
-        cells, (h, w) = frame_cells(frame_maps[f], count, h0, w0, shape)
-        pieces.append(cells)
-        anchors.append(f * h0 * w0 + anchor_cells(h, w, h0, w0)[: cells.shape[0]])
-        for name, values in tokens.extras.items():
-            part = frame_cells(values.reshape(t, h0, w0, -1)[f], count, h0, w0, shape)[0]
-            extras[name].append(part.reshape(-1, *values.shape[1:]))
-    features = torch.cat(pieces)
-    if ctx.prepool is not None and ctx.project is not None:
-        features = ctx.project(features)
-    out = tokens.select(torch.cat(anchors).to(tokens.embeds.device), allow_repeats=True)
-    out.embeds = features.to(tokens.embeds.device, tokens.embeds.dtype)
-    out.extras = {name: torch.cat(parts).to(tokens.extras[name].dtype) for name, parts in extras.items()}
-    return out
+    """QuoTA's per-frame resize (`vtc_plugins.quota.resize_frames`) with each frame's cells from `frame_cells`
+    (`shapes[f]`: an exact (h, w) grid where given; a frame at 0 is dropped)."""
+    _, h0, w0 = tokens.grid
+
+    def resize(frame_map, count, f):
+        return frame_cells(frame_map, count, h0, w0, shapes[f] if shapes is not None else None)
+
+    return quota_resize_frames(tokens, ctx, counts, resize)
 
 
 def own_fraction(shares: list[float], grid_frames: int) -> float:

@@ -42,7 +42,9 @@ __all__ = [  # the CLIP scoring and the weights live in vtc.media.relevance; re-
     "parse_objects",
     "relevance_prompt",
     "resize_frame",
+    "resize_frames",
     "token_budgets",
+    "whole_frames_only",
     "vlm_yes_probabilities",
 ]
 
@@ -285,34 +287,46 @@ class Quota(vtc.FrameSampler):
                 "quota assigns tokens from frame scores computed in its sample stage: build the inputs with "
                 "handle.prepare(processor, video, question) on the patched model"
             )
-        t, h0, w0 = tokens.grid
-        if not tokens.is_full_grid:
-            raise ValueError("quota resizes whole frames: put it before other connect methods that drop tokens")
-        weights = grid_frame_weights(info["weights"], t)
+        whole_frames_only(tokens, "quota")
+        weights = grid_frame_weights(info["weights"], tokens.grid[0])
         exact = self.fixed_count
         counts = token_budgets(weights, self.budget(len(tokens), tokens.grid), exact)
-        frame_maps = ctx.prepool if ctx.prepool is not None else tokens.embeds.reshape(t, h0, w0, -1)
-        pieces, anchors = [], []
-        extras: dict[str, list[torch.Tensor]] = {name: [] for name in tokens.extras}
-        for f, count in enumerate(counts):
-            if count <= 0:
-                continue  # the official code drops frames whose share rounds to zero
-            cells, (h, w) = resize_frame(frame_maps[f], count, exact)
-            pieces.append(cells)
-            anchor = f * h0 * w0 + anchor_cells(h, w, h0, w0)[: cells.shape[0]]
-            anchors.append(anchor)
-            for name, values in tokens.extras.items():
-                grid_extra = values.reshape(t, h0, w0, -1)[f]
-                extras[name].append(resize_frame(grid_extra, count, exact)[0].reshape(-1, *values.shape[1:]))
-        features = torch.cat(pieces)
-        if ctx.prepool is not None and ctx.project is not None:
-            features = ctx.project(features)
-        # an upsampled frame takes its cells' positions from the nearest grid cells, so anchors can repeat
-        out = tokens.select(torch.cat(anchors).to(tokens.embeds.device), allow_repeats=True)
-        out.embeds = features.to(tokens.embeds.device, tokens.embeds.dtype)
-        out.extras = {name: torch.cat(parts).to(tokens.extras[name].dtype) for name, parts in extras.items()}
+        out = resize_frames(tokens, ctx, counts, lambda frame_map, count, f: resize_frame(frame_map, count, exact))
         ctx.report(budgets=counts)
         return out
+
+
+def whole_frames_only(tokens, name: str) -> None:
+    """Methods that resize whole frames (quota, q-frame, framepack-u) refuse tokens an earlier method dropped."""
+    if not tokens.is_full_grid:
+        raise ValueError(f"{name} resizes whole frames: put it before other connect methods that drop tokens")
+
+
+def resize_frames(tokens, ctx, counts: list[int], resize):
+    """Each grid frame's map (the pre-pool map where there is one) at its count of tokens, `resize(frame_map, count,
+    f) -> (cells [n, D], (h, w))` (a frame at 0 is dropped, as the official code drops frames whose share rounds to
+    zero), placed at its anchor cells, projected where the model projects after pooling; extras resized alike."""
+    t, h0, w0 = tokens.grid
+    frame_maps = ctx.prepool if ctx.prepool is not None else tokens.embeds.reshape(t, h0, w0, -1)
+    pieces, anchors = [], []
+    extras: dict[str, list[torch.Tensor]] = {name: [] for name in tokens.extras}
+    for f, count in enumerate(counts):
+        if count <= 0:
+            continue
+        cells, (h, w) = resize(frame_maps[f], count, f)
+        pieces.append(cells)
+        anchors.append(f * h0 * w0 + anchor_cells(h, w, h0, w0)[: cells.shape[0]])
+        for name, values in tokens.extras.items():
+            part = resize(values.reshape(t, h0, w0, -1)[f], count, f)[0]
+            extras[name].append(part.reshape(-1, *values.shape[1:]))
+    features = torch.cat(pieces)
+    if ctx.prepool is not None and ctx.project is not None:
+        features = ctx.project(features)
+    # an upsampled frame takes its cells' positions from the nearest grid cells, so anchors can repeat
+    out = tokens.select(torch.cat(anchors).to(tokens.embeds.device), allow_repeats=True)
+    out.embeds = features.to(tokens.embeds.device, tokens.embeds.dtype)
+    out.extras = {name: torch.cat(parts).to(tokens.extras[name].dtype) for name, parts in extras.items()}
+    return out
 
 
 def grid_frame_weights(weights: list[float], grid_frames: int) -> list[float]:
