@@ -25,6 +25,8 @@ from typing import Any, Callable, Protocol, Sequence
 import numpy as np
 import torch
 
+from vtc.media.relevance import load_clip
+
 BATCH = 32  # frames per encoder forward
 
 
@@ -61,13 +63,13 @@ def _offline_hint(param: str, what: str, example: str) -> str:
 class ClipEncoder:
     """An open_clip model: image and text towers, with CLIP's learned logit scale."""
 
-    def __init__(self, name: str, pretrained: str | None, *, param: str = "encoder", device: str | None = None):
+    def __init__(self, name: str, pretrained: str | None, *, param: str = "encoder"):
         try:
             import open_clip
         except ImportError as err:
             raise ImportError("CLIP frame scoring needs open_clip: pip install 'vtc[clip]'") from err
-        try:
-            model, _, preprocess = open_clip.create_model_and_transforms(name, pretrained=pretrained)
+        try:  # the process-wide open_clip cache quota-clip loads from too: one model for both
+            model, preprocess, self.tokenizer = load_clip(name, pretrained)
         except Exception as err:  # noqa: BLE001 - open_clip and the hub fail in many ways; all mean "not loadable"
             if name not in open_clip.list_models():
                 raise ValueError(
@@ -76,11 +78,8 @@ class ClipEncoder:
                 ) from err
             hint = _offline_hint(f"{param}_pretrained", "a local open_clip checkpoint file", "/models/vit-l-14.bin")
             raise EncoderLoadError(f"cannot load CLIP {name!r} with weights {pretrained!r}: {hint} ({err})") from err
-        self.model = model.eval()
-        if device is not None:
-            self.model.to(device)
+        self.model = model
         self.preprocess = preprocess
-        self.tokenizer = open_clip.get_tokenizer(name)
         self.key = f"open_clip:{name}:{pretrained}"
         self.logit_scale = float(self.model.logit_scale.detach().exp()) if hasattr(self.model, "logit_scale") else 100.0
         bias = getattr(self.model, "logit_bias", None)
@@ -109,7 +108,7 @@ class DinoEncoder:
     """A transformers image backbone (DINOv2): `pooling="mean"` averages every output token, CLS included (DIG's CAFS
     features), `"pooler"` is the model's `pooler_output` (KTV's)."""
 
-    def __init__(self, name: str, pooling: str = "mean", *, param: str = "encoder", device: str | None = None):
+    def __init__(self, name: str, pooling: str = "mean", *, param: str = "encoder"):
         if pooling not in ("mean", "pooler"):
             raise ValueError(f"pooling must be 'mean' or 'pooler', got {pooling!r}")
         from transformers import AutoImageProcessor, AutoModel
@@ -120,8 +119,6 @@ class DinoEncoder:
         except OSError as err:
             hint = _offline_hint(param, "a local directory saved with save_pretrained", "/models/dinov2-base")
             raise EncoderLoadError(f"cannot load the image encoder {name!r}: {hint} ({err})") from err
-        if device is not None:
-            self.model.to(device)
         self.pooling = pooling
         self.key = f"transformers:{name}:{pooling}"
 
