@@ -395,6 +395,19 @@ class Dig(vtc.FrameSampler):
                     f"pair or a function (prompt, image) -> text; got {type(getattr(self, name)).__name__}"
                 )
 
+    def host_model_use(self) -> str | None:
+        asked = []
+        if self.query_type == "auto" and _spec_kind(self.classifier) == "patched":
+            asked.append("dig.classifier")
+        if self.query_type != "global" and _spec_kind(self.judge) == "patched":
+            asked.append("dig.judge")
+        if not asked:
+            return None
+        return (
+            f"give {' and '.join(asked)} (a checkpoint name or path, or a function (prompt, image) -> text), or "
+            "dig.query_type='global'"
+        )
+
     # --- the model asked ------------------------------------------------------------------------------------------
     def _answerer(self, name: str, ctx) -> Answerer:
         spec = getattr(self, name)

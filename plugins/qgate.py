@@ -276,6 +276,11 @@ class QGate(vtc.FrameSampler):
         if self.weights is not None:
             fixed_weights(self.weights, has_subtitles=True)
 
+    def host_model_use(self) -> str | None:
+        if self.weights is not None:
+            return None
+        return "give fixed gate weights, q-gate.weights=(vg, gm, ca)"
+
     def gate(self, ctx, has_subtitles: bool) -> tuple[dict[str, float], list[str], bool]:
         """The gate's weights and entities for this question: fixed ones, or the host LLM's answer parsed."""
         if self.weights is not None:

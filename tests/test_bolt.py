@@ -114,12 +114,35 @@ def test_bad_inputs_name_the_problem():
         clip_encoder(object(), param="bolt.encoder")
 
 
-@pytest.mark.parametrize("spec,against", [("bolt+vidcom2", True), ("infoshot", False), ("ktv-keyframes", False)])
-def test_vllm_serving_refuses_samplers_until_it_runs_them(spec, against):
-    """The vLLM backend cannot drop frames yet (vLLM decodes and encodes them before any vtc hook): a sampler in a
-    serving config is refused before the server starts, with what to do instead."""
-    from vtc.vllm.config import ServeConfig
+@pytest.mark.parametrize(
+    "spec, params, refusal",
+    [
+        ("bolt+vidcom2", {}, None),
+        ("infoshot", {}, None),
+        ("ktv-keyframes+vidcom2", {}, None),
+        ("q-frame-qfs", {}, None),
+        ("ktv", {}, "serve its frame choice alone as 'ktv-keyframes'"),
+        ("q-frame", {}, "serve its frame choice alone as 'q-frame-qfs'"),
+        ("framepack-u", {}, "sizes each frame's tokens from that choice"),
+        ("quota", {}, "sizes each frame's tokens from that choice"),
+        ("dig", {}, r"give dig.classifier and dig.judge .*dig.query_type='global'"),
+        ("dig", {"dig.query_type": "global"}, None),
+        ("q-gate", {}, r"q-gate.weights=\(vg, gm, ca\)"),
+        ("q-gate", {"q-gate.weights": [0.5, 0.5, 0.0]}, None),
+    ],
+)
+def test_which_samplers_a_vllm_server_runs(spec, params, refusal):
+    """A server chooses frames in its prompt processor (vtc.vllm.sampling): a sampler that then sizes each frame's
+    tokens from its choice, or that asks the served model itself, is refused before the server starts, with what
+    to serve instead; the others build a serving pipeline."""
+    from vtc.vllm.config import ServeConfig, servable_samplers
 
-    name = spec.split("+")[0]
-    with pytest.raises(ValueError, match=f"{name} chooses frames{' against the question' if against else ''} \\("):
-        ServeConfig(methods=spec, retention=0.5).check_methods()
+    config = ServeConfig(methods=spec, retention=0.5, params=params)
+    if refusal is None:
+        config.check_methods()
+        assert config.pipeline("qwen2_5_vl").has_stage("sample")
+        assert spec.split("+")[0] in servable_samplers()
+        return
+    with pytest.raises(ValueError, match=refusal):
+        config.check_methods()
+        config.pipeline("qwen2_5_vl")

@@ -14,8 +14,10 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 
+from tests.probes import coloured_clip
 from vtc.media.video import synthetic_video
 from vtc.testing import tiny
 from vtc.vllm.client import request_settings, video_message
@@ -33,17 +35,20 @@ def free_port() -> int:
 SERVED = ("qwen2_vl", "qwen3_vl")
 
 
-@pytest.fixture(scope="module", params=SERVED)
-def server(request, tmp_path_factory):
-    family = request.param
-    path = tiny.save(family, str(tmp_path_factory.mktemp("serve") / family))
+def start_server(path: str, vtc_args: list[str], prelude: str = ""):
+    """`vtc serve path ...` on a free port -> (OpenAI client, the server's output lines, the process). `prelude`:
+    Python run in the server process first (a test encoder registered by name)."""
     port = free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    command = [sys.executable, "-m", "vtc.tools.cli", "serve", path, "--methods", "vidcom2", "--retention", "0.25"]
-    command += ["--retention-range", "0.1,0.75", "--port", str(port), "--dtype", "float32", "--enforce-eager"]
-    command += ["--max-model-len", "8192", "--kv-cache-memory-bytes", str(1 << 28), "--served-model-name", "tiny"]
+    args = ["serve", path, *vtc_args, "--port", str(port), "--dtype", "float32", "--enforce-eager"]
+    args += ["--max-model-len", "8192", "--kv-cache-memory-bytes", str(1 << 28), "--served-model-name", "tiny"]
     # prompts of concurrent requests are prefilled together in chunks of at most 512 tokens, as under load
-    command += ["--max-num-batched-tokens", "512", "--limit-mm-per-prompt", '{"video": 2, "image": 1}']
+    args += ["--max-num-batched-tokens", "512", "--limit-mm-per-prompt", '{"video": 2, "image": 1}']
+    if prelude:
+        code = f"import sys; {prelude}; from vtc.tools.cli import main; sys.exit(main(sys.argv[1:]))"
+        command = [sys.executable, "-c", code, *args]
+    else:
+        command = [sys.executable, "-m", "vtc.tools.cli", *args]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
@@ -62,7 +67,10 @@ def server(request, tmp_path_factory):
     else:
         proc.kill()
         raise RuntimeError("vtc serve did not come up in 240 s:\n" + "".join(lines[-40:]))
-    yield client, lines, path, family
+    return client, lines, proc
+
+
+def stop_server(proc) -> None:
     proc.terminate()
     try:
         proc.wait(timeout=30)
@@ -70,8 +78,19 @@ def server(request, tmp_path_factory):
         proc.kill()
 
 
-def kept_logs(lines: list[str]) -> list[tuple[tuple[int, int, int], int, int]]:
-    pattern = re.compile(r"vtc vidcom2: video \d+, grid \((\d+), (\d+), (\d+)\): kept (\d+) of (\d+) tokens")
+@pytest.fixture(scope="module", params=SERVED)
+def server(request, tmp_path_factory):
+    family = request.param
+    path = tiny.save(family, str(tmp_path_factory.mktemp("serve") / family))
+    client, lines, proc = start_server(
+        path, ["--methods", "vidcom2", "--retention", "0.25", "--retention-range", "0.1,0.75"]
+    )
+    yield client, lines, path, family
+    stop_server(proc)
+
+
+def kept_logs(lines: list[str], spec: str = "vidcom2") -> list[tuple[tuple[int, int, int], int, int]]:
+    pattern = re.compile(re.escape(f"vtc {spec}: video") + r" \d+, grid \((\d+), (\d+), (\d+)\): kept (\d+) of (\d+) tokens")
     out = []
     for line in list(lines):
         m = pattern.search(line)
@@ -250,3 +269,70 @@ def test_select_frames_keeps_the_most_relevant_frames_in_time_order():
     assert weights == [all_weights[i] for i in indices]
     with pytest.raises(ValueError, match=r"keep must be in \[1, 12\]"):
         select_frames(frames, QUESTION, keep=0, clip_model="vtc-tiny-clip", clip_pretrained=None)
+
+
+# --- a sampler on the server ---------------------------------------------------------------------------------------
+COLOUR = "from tests.probes import ColourEncoder; from vtc.media.encoders import register_encoder; " + (
+    "register_encoder('test-colour', ColourEncoder())"
+)
+
+
+@pytest.fixture(scope="module")
+def sampling_server(tmp_path_factory):
+    """Qwen2-VL served with bolt (its CLIP: the test's colour encoder, registered in the server process) then
+    vidcom2 at 0.5."""
+    path = tiny.save("qwen2_vl", str(tmp_path_factory.mktemp("serve-sampling") / "qwen2_vl"))
+    params = ["bolt.encoder=test-colour", "bolt.encoder_pretrained=None", "bolt.num_frames=4"]
+    vtc_args = ["--methods", "bolt+vidcom2", "--retention", "0.5"] + [a for p in params for a in ("--param", p)]
+    client, lines, proc = start_server(path, vtc_args, prelude=COLOUR)
+    yield client, lines, path
+    stop_server(proc)
+
+
+def chosen_logs(lines: list[str]) -> list[tuple[list[int], str]]:
+    pattern = re.compile(r"vtc bolt: chose \d+ of \d+ decoded frames \[[^]]*\] \(frames \[([^]]*)\] of the video\) for '(.*)'")
+    out = []
+    for line in list(lines):
+        m = pattern.search(line)
+        if m:
+            out.append(([int(v) for v in m.group(1).split(",")], m.group(2)))
+    return out
+
+
+def test_the_server_chooses_frames_per_question_and_encodes_only_those(sampling_server):
+    """Through the OpenAI client: a 20-second clip (4 fps, 80 frames; vLLM decodes 32 of them), red in seconds 12-13,
+    blue in second 3. Asked about red, then blue, then red again: each question gets its own frames (most in its
+    colour's seconds), only 4 frames are encoded (a grid of 2 temporal patches), the prompt holds the
+    text plus vidcom2's count of that grid, and the repeated question is served from the encoder cache."""
+    client, lines, path = sampling_server
+    from transformers import AutoTokenizer
+
+    clip = coloured_clip(seconds=20, fps=4, red=(12, 13), blue=(3,))
+    clip = np.repeat(np.repeat(clip, 4, axis=1), 4, axis=2)  # 128 px frames
+    questions = ["Where is the red ball?", "When does the blue light appear?", "Where is the red ball?"]
+    before_chosen, before_kept = len(chosen_logs(lines)), len(kept_logs(lines, "bolt+vidcom2"))
+    replies = [
+        client.chat.completions.create(
+            model="tiny", messages=[video_message(clip, q, fps=4)], max_tokens=2, temperature=0
+        )
+        for q in questions
+    ]
+    time.sleep(0.5)
+    chosen = chosen_logs(lines)[before_chosen:]
+    kept = kept_logs(lines, "bolt+vidcom2")[before_kept:]
+    assert [q for _, q in chosen] == questions
+    red, blue, red_again = (frames for frames, _ in chosen)
+    # frame numbers of the 80-frame clip (vLLM decoded 32, so about 1.6 frames per second are candidates)
+    assert sum(12 <= f // 4 <= 13 for f in red) >= 3 and sum(f // 4 == 3 for f in blue) >= 2
+    assert red_again == red
+    assert len(kept) == 2  # red, blue; the repeat came from the encoder cache
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    for (grid, count_kept, total), reply, question in zip(kept, replies, questions):
+        assert grid[0] == 2 and total == grid[0] * grid[1] * grid[2]
+        expected = ServeConfig.from_dict({"methods": "vidcom2", "retention": 0.5}).pipeline("qwen2_vl")
+        assert count_kept == expected.retained_count(grid)
+        content = [{"type": "video"}, {"type": "text", "text": question}]
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+        )
+        assert reply.usage.prompt_tokens == len(tokenizer.encode(prompt, add_special_tokens=False)) - 1 + count_kept

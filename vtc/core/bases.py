@@ -222,6 +222,12 @@ class FrameSampler(Method):
     reduces_tokens: ClassVar[bool] = False
     owns: ClassVar[frozenset[str]] = frozenset({"frame_selection"})
 
+    def host_model_use(self) -> str | None:
+        """None when `sample` never calls the patched model (`ctx.model`); else how to make it not (which parameter
+        names another model or fixes the answer). A vLLM server chooses frames in its prompt processor, which
+        cannot call the model it serves, and refuses a sampler that would."""
+        return None
+
 
 class StreamMemoryMethod(Method):
     """Decides what a `vtc.stream` session remembers: `stream_memory(config)` returns the memory

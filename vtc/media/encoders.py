@@ -146,13 +146,38 @@ def register_alias(name: str, make_path: Callable[[], str]) -> None:
     ALIASES[name] = make_path
 
 
+def register_encoder(name: str, encoder: Any) -> None:
+    """Let `name` stand for an encoder object (with `key` and `encode_images`, plus `encode_text` for a CLIP), where
+    a parameter must be a string: a vLLM server's config is JSON. Registered in the process that chooses frames
+    (for `vllm serve`, from a vLLM general plugin)."""
+    _checked_object(encoder, f"register_encoder({name!r})", ("encode_images",))
+    _ENCODERS[("named", name)] = encoder
+
+
+# vtc's offline demo encoders (random weights, no download), known in every process that asks for them: a vLLM
+# server's prompt processor too
+TINY_CLIP, TINY_DINOV2 = "vtc-tiny-clip", "vtc-tiny-dinov2"
+
+
+def _register_tiny(spec: str) -> None:
+    from vtc.testing import fixtures
+
+    if spec == TINY_CLIP:
+        fixtures.register_tiny_clip()
+    elif spec == TINY_DINOV2 and spec not in ALIASES:
+        fixtures.register_tiny_dinov2()
+
+
 def clip_encoder(spec: Any, pretrained: str | None = None, *, param: str = "encoder") -> TextImageEncoder:
     """A CLIP encoder from an open_clip architecture name (+ weights tag or local checkpoint file), or `spec` itself
     when it is already an encoder object. Loaded once per process."""
     if not isinstance(spec, str):
         return _checked_object(spec, param, ("encode_images", "encode_text"))
+    if ("named", spec) in _ENCODERS:
+        return _checked_object(_ENCODERS[("named", spec)], param, ("encode_images", "encode_text"))
     key = ("clip", spec, pretrained)
     if key not in _ENCODERS:
+        _register_tiny(spec)
         _ENCODERS[key] = ClipEncoder(spec, pretrained, param=param)
     return _ENCODERS[key]
 
@@ -162,6 +187,9 @@ def image_encoder(spec: Any, pooling: str = "mean", *, param: str = "encoder") -
     Loaded once per process."""
     if not isinstance(spec, str):
         return _checked_object(spec, param, ("encode_images",))
+    if ("named", spec) in _ENCODERS:
+        return _ENCODERS[("named", spec)]
+    _register_tiny(spec)
     if spec in ALIASES:
         spec = ALIASES[spec]()
     key = ("image", spec, pooling)

@@ -21,6 +21,7 @@ KEY = "vtc"  # additional_config[KEY], and a request's mm_processor_kwargs[KEY]
 CONFIG_ATTR = "vtc_serving"  # the checked config, on the HF config (see vtc.vllm.plugin)
 FIELDS = ("methods", "retention", "params", "seed", "request_settings", "retention_range")
 REQUEST_FIELDS = ("retention", "params", "seed")  # what one request may set (mm_processor_kwargs["vtc"])
+QUESTION = "question"  # a request may also name the question a sampler reads (any server, with any settings)
 
 # vLLM architecture name -> vtc family
 ARCHITECTURES = {
@@ -56,12 +57,26 @@ def family_of(architectures: list[str] | tuple[str, ...] | None) -> str:
 
 
 def servable_methods() -> list[str]:
-    """Installed methods a server can run: connect stage only, a fixed count, no question."""
+    """Installed token-reducing methods a server can run: connect stage only, a fixed count, no question."""
     out = []
     for card in registry().cards():
         if set(card.stages) == {"connect"} and card.fixed_count and not card.query_aware and not card.stream_only:
             out.append(card.name)
     return sorted(out)
+
+
+def servable_samplers() -> list[str]:
+    """Installed frame samplers a server can run: the sample stage only (no per-frame token budgets after it)."""
+    return sorted(
+        card.name
+        for card in registry().cards()
+        if card.stages == ("sample",) and not card.reduces_tokens and not card.stream_only
+    )
+
+
+def _allowed() -> str:
+    """The methods and samplers a server runs, for error messages."""
+    return f"{', '.join(servable_methods())}; frame samplers (before one of them): {', '.join(servable_samplers())}"
 
 
 def _has_field(params_cls: type, name: str) -> bool:
@@ -148,7 +163,7 @@ class ServeConfig:
                 else ""
             )
             raise ValueError(
-                f"{where}: unknown key(s) {', '.join(unknown)}; a request may set {', '.join(REQUEST_FIELDS)}{hint}"
+                f"{where}: unknown key(s) {', '.join(unknown)}; a request may set {', '.join(REQUEST_FIELDS + (QUESTION,))}{hint}"
             )
         retention = self.retention
         if "retention" in raw:
@@ -169,17 +184,20 @@ class ServeConfig:
     def check_methods(self) -> None:
         """Every method is installed and can serve (the family-specific checks are in `pipeline`)."""
         methods = registry()
-        allowed = ", ".join(servable_methods())
+        allowed = _allowed()
         for name in parse_spec(self.methods):
             info = methods[name].card  # raises naming the installed methods
-            if "sample" in info.stages:
-                against = " against the question" if info.query_aware else ""
+            if "sample" in info.stages and name not in servable_samplers():
+                part = SAMPLER_PARTS.get(name)
+                hint = f"serve its frame choice alone as {part!r}, or" if part else "or"
                 raise ValueError(
-                    f"{name} chooses frames{against} (sample stage), which vtc's vLLM backend does not run yet (the "
-                    "frames are decoded and encoded before any vtc hook). Select the frames on the client (vtc."
-                    "prepare_inputs with the sampler, or vtc.vllm.client.select_frames) and send only those; "
-                    "methods the server runs: " + allowed
+                    f"{name} chooses frames and then sizes each frame's tokens from that choice (sample and connect "
+                    "stages), but vLLM sizes a prompt from the video's grid alone; "
+                    f"{hint} choose frames on the client (vtc.prepare_inputs, or QuoTA's scorer in vtc.vllm.client."
+                    "select_frames) and send only those; methods the server runs: " + allowed
                 )
+            if "sample" in info.stages:
+                continue
             if "prefill" in info.stages or info.acts_in_llm:
                 part = CONNECT_PARTS.get(name)
                 hint = f"serve its connect part as {part!r}, or use" if part else "use"
@@ -220,13 +238,38 @@ class ServeConfig:
         serve."""
         params = self.serving_params()
         pipeline = Pipeline(self.methods, self.retention, params, family=family)
+        for entry in pipeline.stage_entries("sample"):
+            fix = entry.method.host_model_use()
+            if fix is not None:
+                raise ValueError(
+                    f"{entry.card.name} asks the served model itself with these parameters, which vLLM's prompt "
+                    f"processor (where the server chooses frames) cannot call; {fix}"
+                )
         if pipeline.retained_count(_PROBE_GRID) is None:
             raise ValueError(
                 f"{self.methods!r} does not fix its token count from the video's grid alone on {family} (with these "
-                "parameters), which vLLM needs to size the prompt; methods the server runs: "
-                + ", ".join(servable_methods())
+                "parameters), which vLLM needs to size the prompt; methods the server runs: " + _allowed()
             )
         return pipeline
+
+
+def request_question(settings: Any) -> str | None:
+    """The question a request names for the server's sampler (`mm_processor_kwargs={"vtc": {"question": ...}}`),
+    None when it names none (the sampler then reads the prompt's text after each video)."""
+    if not isinstance(settings, dict) or QUESTION not in settings:
+        return None
+    question = settings[QUESTION]
+    if not isinstance(question, str) or not question.strip():
+        raise ValueError(f'mm_processor_kwargs["vtc"]["question"] must be a non-empty string, got {question!r}')
+    return question
+
+
+def without_question(settings: Any) -> Any:
+    """A request's vtc settings without its question (which only the sampler reads)."""
+    if isinstance(settings, dict) and QUESTION in settings:
+        rest = {k: v for k, v in settings.items() if k != QUESTION}
+        return rest or None
+    return settings
 
 
 def _check_params(params: Any, where: str) -> dict[str, Any]:
@@ -256,3 +299,5 @@ def _check_range(value: Any) -> tuple[float, float]:
 
 # methods that act inside the LLM, and the name of the part of them a server runs
 CONNECT_PARTS = {"dycoke": "dycoke-ttm", "holitom": "holitom-outer"}
+# samplers that also size each frame's tokens, and the name of their frame choice alone
+SAMPLER_PARTS = {"ktv": "ktv-keyframes", "q-frame": "q-frame-qfs"}

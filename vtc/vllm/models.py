@@ -69,7 +69,7 @@ from vtc.core.geometry import FamilyGeometry
 from vtc.core.pipeline import Pipeline
 from vtc.core.tokens import Context
 from vtc.hf.prepool import PrepoolCapture
-from vtc.vllm.config import CONFIG_ATTR, KEY, ServeConfig
+from vtc.vllm.config import CONFIG_ATTR, KEY, ServeConfig, request_question, without_question
 from vtc.vllm.positions import (
     MediaSpan,
     append_positions,
@@ -81,6 +81,7 @@ from vtc.vllm.positions import (
     prompt_positions,
     split_positions,
 )
+from vtc.vllm.sampling import has_sampler, select_frames
 from vtc.vllm.stages import holds_module, positions_from_previous_stage, positions_to_next_stage, with_stage_positions
 from vtc.vllm.vision import EncoderStatsCapture, tp_group
 
@@ -341,9 +342,37 @@ class _VtcProcessor:
     (`_video_replacement`)."""
 
     family = ""
+    _profiling = False  # building vLLM's dummy inputs (no question, and the most frames: nothing is sampled)
 
+    # --- the sample stage (vtc.vllm.sampling) ------------------------------------------------------------------
+    def apply(self, inputs, *args, **kwargs):
+        server = server_config(self.info.get_hf_config())
+        if server is not None and not self._profiling:
+            settings = inputs.hf_processor_mm_kwargs.get(KEY)
+            question = request_question(settings)
+            pipeline = self._request_pipeline(server, without_question(settings))
+            if has_sampler(pipeline):
+                inputs = select_frames(self, inputs, pipeline, question, self.family)
+        return super().apply(inputs, *args, **kwargs)
+
+    def get_dummy_mm_inputs(self, *args, **kwargs):
+        self._profiling = True
+        try:
+            return super().get_dummy_mm_inputs(*args, **kwargs)
+        finally:
+            self._profiling = False
+
+    def stock_hashes(self, inputs) -> dict[str, list[str]]:
+        """vLLM's own cache identity of each media item (its bytes or uuid, and the request's processor kwargs)."""
+        return dict(super()._get_mm_hashes(inputs))
+
+    def video_token_id(self) -> int:
+        config = self.info.get_hf_config()
+        return int(getattr(config, "video_token_id", None) or config.video_token_index)
+
+    # --- the connect stage ------------------------------------------------------------------------------------
     def _get_hf_mm_inputs(self, mm_items, hf_kwargs):
-        request = hf_kwargs.get(KEY)
+        request = without_question(hf_kwargs.get(KEY))
         inputs = super()._get_hf_mm_inputs(mm_items, _without_vtc(hf_kwargs))
         server = server_config(self.info.get_hf_config())
         if server is None:
@@ -361,12 +390,18 @@ class _VtcProcessor:
         """The request's settings, once the server allows them and they build a pipeline (else ValueError)."""
         if request is None:
             return {}
+        self._request_pipeline(server, request)
+        return dict(request)
+
+    def _request_pipeline(self, server: ServeConfig, request: Any) -> Pipeline:
+        """The pipeline of one request's settings (None: the server's), or a ValueError naming what is wrong."""
+        if request is None:
+            return config_pipeline(server, self.family)
         config = request_config(server, request)
         try:
-            config_pipeline(config, self.family)
+            return config_pipeline(config, self.family)
         except ValueError as err:
             raise ValueError(f'mm_processor_kwargs["vtc"]: {err}') from None
-        return dict(request)
 
     def _get_mm_fields_config(self, hf_inputs, hf_processor_mm_kwargs):
         fields = dict(super()._get_mm_fields_config(hf_inputs, _without_vtc(hf_processor_mm_kwargs)))
