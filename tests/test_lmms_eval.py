@@ -528,3 +528,39 @@ def test_vllm_backend_of_the_vtc_model_matches_the_hf_backend_document_by_docume
         assert v["backend"] == "vllm" and v["stages"][0]["tokens_out"] == v["llm_visual_tokens"] == 16
         assert v["ttft_s"] > 0 and v["prefill_s"] > 0
     assert "avg_vtc_ttft_s" in vllm_results["throughput"]
+
+
+def test_vllm_backend_runs_the_sampler_on_the_server_with_the_task_question(saved, task_manager):
+    """backend=vllm with bolt+vidcom2: the client sends candidate frames, vLLM's prompt processor chooses
+    num_frames of them against the document's question; each record carries the chosen frames (the video's own
+    frame numbers), and its grid and counts are those of the chosen frames, as on the HF backend."""
+    from vtc.lmms_eval.model import VtcModel
+    from vtc.vllm import sampling
+
+    common = dict(
+        pretrained=saved["qwen2_5_vl"],
+        methods="bolt+vidcom2",
+        retention=0.5,
+        num_frames=4,
+        min_pixels=3136,
+        max_pixels=40000,
+        encoder="vtc-tiny-clip",
+        encoder_pretrained=None,
+    )
+    sampling.LAST_FRAMES.clear()
+    served = VtcModel(backend="vllm", vllm_args={"max_model_len": 4096}, candidate_frames=24, **common)
+    try:
+        results = evaluate(served, task_manager, limit=4)
+    finally:
+        served.keep_loaded = False
+        served.clean()
+    records = vtc_records(results)
+    hf_records = vtc_records(evaluate(VtcModel(device="cpu", fixed_count=True, **common), task_manager, limit=4))
+    assert len(records) == 4 and len(sampling.LAST_FRAMES) == 4
+    questions = [entry["question"] for entry in sampling.LAST_FRAMES]
+    assert len(set(questions)) == 2  # two questions per clip in the task, each sampled against its own
+    for record, entry, hf in zip(records, sampling.LAST_FRAMES, hf_records):
+        (frames,) = record["frames"]
+        assert frames["method"] == "bolt" and frames["indices"] == entry["frames"] and len(frames["indices"]) == 4
+        assert record["grids"] == hf["grids"] == [[2, 4, 4]]
+        assert record["llm_visual_tokens"] == hf["llm_visual_tokens"] == 16

@@ -90,7 +90,9 @@ def server(request, tmp_path_factory):
 
 
 def kept_logs(lines: list[str], spec: str = "vidcom2") -> list[tuple[tuple[int, int, int], int, int]]:
-    pattern = re.compile(re.escape(f"vtc {spec}: video") + r" \d+, grid \((\d+), (\d+), (\d+)\): kept (\d+) of (\d+) tokens")
+    pattern = re.compile(
+        re.escape(f"vtc {spec}: video") + r" \d+, grid \((\d+), (\d+), (\d+)\): kept (\d+) of (\d+) tokens"
+    )
     out = []
     for line in list(lines):
         m = pattern.search(line)
@@ -290,7 +292,9 @@ def sampling_server(tmp_path_factory):
 
 
 def chosen_logs(lines: list[str]) -> list[tuple[list[int], str]]:
-    pattern = re.compile(r"vtc bolt: chose \d+ of \d+ decoded frames \[[^]]*\] \(frames \[([^]]*)\] of the video\) for '(.*)'")
+    pattern = re.compile(
+        r"vtc bolt: chose \d+ of \d+ decoded frames \[[^]]*\] \(frames \[([^]]*)\] of the video\) for '(.*)'"
+    )
     out = []
     for line in list(lines):
         m = pattern.search(line)

@@ -110,6 +110,7 @@ def test_the_server_encodes_exactly_the_chosen_frames(served):
         assert got.tokens == stock.tokens, name
         if family in QWEN:
             assert torch.equal(got.positions, stock.positions), name
+
     # the known answer: 3 of bolt's 4 frames at least lie where the colour asked about is (4 frames per second;
     # inverse transform sampling puts its last quantile past a one-second peak)
     def seconds(name: str, video: int = 0) -> list[int]:
@@ -181,10 +182,15 @@ def test_a_request_names_its_question_and_a_prompt_without_one_is_refused(served
 @pytest.mark.parametrize(
     "prompt, question",
     [
-        ("<|im_start|>user\n<|vision_start|><|video_pad|><|vision_end|>Where is it?<|im_end|>\n<|im_start|>assistant\n",
-         "Where is it?"),
-        ("<|im_start|>user\n<|vision_start|><|video_pad|><|vision_end|><|vision_start|><|video_pad|><|vision_end|>"
-         "Compare them.<|im_end|>\n<|im_start|>assistant\n", "Compare them."),
+        (
+            "<|im_start|>user\n<|vision_start|><|video_pad|><|vision_end|>Where is it?<|im_end|>\n<|im_start|>assistant\n",
+            "Where is it?",
+        ),
+        (
+            "<|im_start|>user\n<|vision_start|><|video_pad|><|vision_end|><|vision_start|><|video_pad|><|vision_end|>"
+            "Compare them.<|im_end|>\n<|im_start|>assistant\n",
+            "Compare them.",
+        ),
         ("<|im_start|>user\n<|vision_start|><|video_pad|><|vision_end|><|im_end|>\n<|im_start|>assistant\n", None),
     ],
 )

@@ -33,9 +33,11 @@ from vtc.hf.adapters import config_adapter, resolve_adapter
 from vtc.hf.adapters.base import CapturedInputs
 from vtc.hf.loading import load_model
 from vtc.hf.timing import LLMTimer, synchronize
-from vtc.lmms_eval.efficiency import doc_record, served_record, summarize
-from vtc.media.inputs import prepare_batch, processor_video_kwargs, sample_frames
-from vtc.vllm.config import ServeConfig, family_of
+from vtc.lmms_eval.efficiency import doc_record, frame_record, served_record, summarize
+from vtc.media.inputs import SampledVideo, prepare_batch, processor_video_kwargs, sample_frames
+from vtc.media.video import VideoSource
+from vtc.vllm.config import KEY, ServeConfig, family_of
+from vtc.vllm.sampling import LAST_FRAMES
 
 
 @dataclasses.dataclass
@@ -57,6 +59,9 @@ class ModelArgs:
     min_pixels: int | None = None  # Qwen families: its floor
     backend: str = "hf"  # "hf" (transformers generate) or "vllm" (vllm.LLM with vtc's additional_config)
     vllm_args: dict | str | None = None  # backend=vllm: vllm.LLM options as JSON, e.g. {"max_model_len": 32768}
+    # backend=vllm with a frame sampler: frames decoded uniformly for the server's sampler to choose from (it runs
+    # in vLLM's prompt processor, on what the client sent; `vllm serve` decodes 32 by default)
+    candidate_frames: int = 128
     # set by lmms-eval from its own flags
     batch_size: int | str = 1
     max_batch_size: int | None = None
@@ -103,6 +108,9 @@ def split_model_args(args: dict[str, Any]) -> tuple[ModelArgs, dict[str, Any]]:
     frames = parsed.num_frames
     if frames is not None and (not isinstance(frames, int) or isinstance(frames, bool) or frames < 1):
         raise ValueError(f"num_frames must be a positive integer or none (the sampler's own rule), got {frames!r}")
+    candidates = parsed.candidate_frames
+    if not isinstance(candidates, int) or isinstance(candidates, bool) or candidates < 1:
+        raise ValueError(f"candidate_frames must be a positive integer, got {candidates!r}")
     return parsed, params
 
 
@@ -231,6 +239,7 @@ class VtcModel(lmms):
 
         serving = pipeline = None
         if methods is not None:
+            params = self._sampler_count(methods, params)
             raw = {"methods": methods, "retention": retention, "params": params, "seed": self.args.seed}
             serving = ServeConfig.from_dict(raw)
             pipeline = serving.pipeline(self.family)  # family checks before an engine starts
@@ -243,6 +252,18 @@ class VtcModel(lmms):
         options.update(self.args.vllm_args or {})
         self.serving, self._served_pipeline = serving, pipeline
         self.llm = start(self.args.pretrained, serving.to_dict() if serving else None, **options)
+
+    def _sampler_count(self, methods: str, params: dict[str, Any]) -> dict[str, Any]:
+        """`num_frames` as the served sampler's own count (`{sampler}.num_frames`), as the HF backend passes it to
+        the sampler, unless the parameters set it."""
+        if self.args.num_frames is None:
+            return params
+        for entry in Pipeline(methods).stage_entries("sample"):
+            name = entry.card.name
+            fields = {f.name for f in dataclasses.fields(type(entry.method))}
+            if "num_frames" in fields and f"{name}.num_frames" not in params and "num_frames" not in params:
+                params = {**params, f"{name}.num_frames": self.args.num_frames}
+        return params
 
     @property
     def pipeline(self) -> Pipeline | None:
@@ -376,9 +397,42 @@ class VtcModel(lmms):
         prompt = self.processor.apply_chat_template(chat.messages, add_generation_prompt=True, tokenize=False)
         data: dict[str, Any] = {}
         images = chat.images or None
+        pipeline = self.pipeline
+        # a sampler runs on the server, among the candidates sent; without one the client sends num_frames frames
+        served_sampler = pipeline is not None and pipeline.has_stage("sample")
+        kwargs = dict(self.processor_kwargs)
+        sampled = None
         if chat.video is not None:
-            sampled = sample_frames(chat.video, chat.question, None, self.args.num_frames, family=self.family)
+            count = self.args.num_frames
+            if served_sampler:
+                count = min(self.args.candidate_frames, VideoSource.open(chat.video).num_frames)
+                if any(e.card.query_aware for e in pipeline.stage_entries("sample")):
+                    kwargs[KEY] = {"question": chat.question}  # the task's question, as the HF backend's sampler
+            sampled = sample_frames(chat.video, chat.question, None, count, family=self.family)
             data["video"] = (sampled.frames, {**sampled.metadata, "do_sample_frames": False})
+        if images:
+            data["image"] = images if len(images) > 1 else images[0]
+        sample_s = time.perf_counter() - start
+
+        params = SamplingParams(**self._sampling_options(gen_kwargs))
+        start = time.perf_counter()
+        request = {"prompt": prompt, "multi_modal_data": data, "mm_processor_kwargs": kwargs}
+        (out,) = self.llm.generate([request], params, use_tqdm=False)
+        generate_s = time.perf_counter() - start
+        metrics = out.metrics
+        shown = None  # the frames the server chose (a sampler), in the video's own frame numbers
+        if sampled is not None and served_sampler:
+            chosen = LAST_FRAMES[-1]
+            shown = dataclasses.replace(
+                chosen["selection"],
+                indices=chosen["frames"],
+                timestamps=[i / sampled.source.fps for i in chosen["frames"]],
+                total_frames=sampled.source.num_frames,
+                fps=sampled.source.fps,
+            )
+            picked = [sampled.indices[i] for i in chosen["selection"].indices]
+            sampled = SampledVideo(sampled.frames[chosen["selection"].indices], picked, sampled.source)
+        if sampled is not None:  # the uncompressed counts: the HF processor's expansion of what was encoded
             full = self.processor(
                 text=[prompt],
                 videos=[sampled.frames],
@@ -389,19 +443,8 @@ class VtcModel(lmms):
             )
         else:
             full = self.processor(text=[prompt], images=images, return_tensors="pt")
-        if images:
-            data["image"] = images if len(images) > 1 else images[0]
-        sample_s = time.perf_counter() - start
-
-        params = SamplingParams(**self._sampling_options(gen_kwargs))
-        start = time.perf_counter()
-        request = {"prompt": prompt, "multi_modal_data": data, "mm_processor_kwargs": self.processor_kwargs}
-        (out,) = self.llm.generate([request], params, use_tqdm=False)
-        generate_s = time.perf_counter() - start
-        metrics = out.metrics
         spans = self._spans(full)
         visual = sum(s.num_tokens for s in spans)
-        pipeline = self.pipeline
         kept = sum(pipeline.retained_count(s.grid) for s in spans) if pipeline is not None else visual
         record = served_record(
             self.serving.methods if self.serving is not None else None,
@@ -416,6 +459,8 @@ class VtcModel(lmms):
             generate_s=generate_s,
             sample_s=sample_s if chat.video is not None else 0.0,
         )
+        if shown is not None:
+            record["frames"] = [frame_record(shown)]
         return out.outputs[0].text, record
 
     def _spans(self, inputs) -> list:

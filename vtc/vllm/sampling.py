@@ -185,7 +185,7 @@ def _question_hint(question: str | None) -> str:
     if question:
         return ""
     return (
-        ' (vtc reads the question from the prompt text after each video; this request has none there: put the '
+        " (vtc reads the question from the prompt text after each video; this request has none there: put the "
         'question after the video, or send it as mm_processor_kwargs={"vtc": {"question": ...}})'
     )
 
