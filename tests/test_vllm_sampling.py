@@ -183,7 +183,8 @@ def test_a_request_names_its_question_and_a_prompt_without_one_is_refused(served
     "prompt, question",
     [
         (
-            "<|im_start|>user\n<|vision_start|><|video_pad|><|vision_end|>Where is it?<|im_end|>\n<|im_start|>assistant\n",
+            "<|im_start|>user\n<|vision_start|><|video_pad|><|vision_end|>Where is it?<|im_end|>\n"
+            "<|im_start|>assistant\n",
             "Where is it?",
         ),
         (

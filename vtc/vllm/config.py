@@ -162,9 +162,8 @@ class ServeConfig:
                 if "methods" in raw
                 else ""
             )
-            raise ValueError(
-                f"{where}: unknown key(s) {', '.join(unknown)}; a request may set {', '.join(REQUEST_FIELDS + (QUESTION,))}{hint}"
-            )
+            allowed = ", ".join(REQUEST_FIELDS + (QUESTION,))
+            raise ValueError(f"{where}: unknown key(s) {', '.join(unknown)}; a request may set {allowed}{hint}")
         retention = self.retention
         if "retention" in raw:
             try:
