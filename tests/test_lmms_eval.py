@@ -234,6 +234,8 @@ def test_every_family_answers_a_task_chat_with_its_promised_counts(family, tmp_p
         ({"backend": "vllm", "device_map": "cpu"}, r"device_map: only with backend=hf"),
         ({"vllm_args": '{"max_model_len": 4096}'}, r"vllm_args: only with backend=vllm"),
         ({"backend": "vllm", "vllm_args": "{max_model_len: 4096}"}, r"vllm_args must be a JSON object"),
+        ({"candidate_frames": 64}, r"candidate_frames: only with backend=vllm"),
+        ({"backend": "vllm", "candidate_frames": 0}, r"candidate_frames must be a positive integer"),
         ({"backend": "vllm", "methods": "fastv", "retention": 0.5}, r"fastv.*vidcom2"),
     ],
 )

@@ -202,3 +202,35 @@ def test_each_video_s_question_is_the_text_after_it_in_its_turn(prompt, question
     video = tokenizer.convert_tokens_to_ids("<|video_pad|>")
     count = prompt.count("<|video_pad|>")
     assert sampling.questions_of(ids, video, tokenizer, count) == [question] * count
+
+
+def test_frame_budget_splits_the_overall_retention_with_the_sampler():
+    from vtc.tools.bench import frame_budget
+
+    assert frame_budget("vidcom2", 0.25, 16) == (16, 0.25)
+    assert frame_budget("bolt", 0.25, 16) == (4, None)
+    assert frame_budget("bolt+vidcom2", 0.25, 16) == (8, 0.5)
+    assert frame_budget(None, None, 16) == (16, None)
+
+
+def test_vllm_bench_shows_fewer_frames_for_a_sampler_at_the_same_tokens(tmp_path):
+    """`vtc bench --backend vllm` with uniform+vidcom2 at 0.25 of 8 frames: 4 frames reach the tower, vidcom2 keeps
+    half their tokens, so the prompt holds as many visual tokens as vidcom2 at 0.25 of all 8 frames."""
+    from rich.console import Console
+
+    from vtc.tools.bench_vllm import bench_vllm
+
+    report = bench_vllm(
+        methods=("vidcom2", "uniform+vidcom2"),
+        retentions=(0.25,),
+        frames=8,
+        repeats=1,
+        requests=1,
+        evs=False,
+        out_dir=str(tmp_path),
+        console=Console(file=open(tmp_path / "out.txt", "w")),
+    )
+    rows = {row["method"]: row for row in report["rows"]}
+    assert [rows[m]["frames_shown"] for m in ("none", "vidcom2", "uniform+vidcom2")] == [8, 8, 4]
+    assert rows["uniform+vidcom2"]["prompt_tokens"] == rows["vidcom2"]["prompt_tokens"] < rows["none"]["prompt_tokens"]
+    assert (tmp_path / "bench-vllm.json").exists() and "toy vision tower" in (tmp_path / "out.txt").read_text()

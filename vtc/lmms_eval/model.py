@@ -61,7 +61,7 @@ class ModelArgs:
     vllm_args: dict | str | None = None  # backend=vllm: vllm.LLM options as JSON, e.g. {"max_model_len": 32768}
     # backend=vllm with a frame sampler: frames decoded uniformly for the server's sampler to choose from (it runs
     # in vLLM's prompt processor, on what the client sent; `vllm serve` decodes 32 by default)
-    candidate_frames: int = 128
+    candidate_frames: int | None = None  # default CANDIDATE_FRAMES
     # set by lmms-eval from its own flags
     batch_size: int | str = 1
     max_batch_size: int | None = None
@@ -69,6 +69,7 @@ class ModelArgs:
 
 
 MODEL_ARGS = tuple(f.name for f in dataclasses.fields(ModelArgs))
+CANDIDATE_FRAMES = 128
 BACKENDS = ("hf", "vllm")
 HF_ONLY = ("device_map", "attn_implementation", "positions")
 
@@ -109,7 +110,9 @@ def split_model_args(args: dict[str, Any]) -> tuple[ModelArgs, dict[str, Any]]:
     if frames is not None and (not isinstance(frames, int) or isinstance(frames, bool) or frames < 1):
         raise ValueError(f"num_frames must be a positive integer or none (the sampler's own rule), got {frames!r}")
     candidates = parsed.candidate_frames
-    if not isinstance(candidates, int) or isinstance(candidates, bool) or candidates < 1:
+    if candidates is not None and parsed.backend != "vllm":
+        raise ValueError("candidate_frames: only with backend=vllm (on hf the sampler reads every frame of the file)")
+    if candidates is not None and (not isinstance(candidates, int) or isinstance(candidates, bool) or candidates < 1):
         raise ValueError(f"candidate_frames must be a positive integer, got {candidates!r}")
     return parsed, params
 
@@ -405,7 +408,7 @@ class VtcModel(lmms):
         if chat.video is not None:
             count = self.args.num_frames
             if served_sampler:
-                count = min(self.args.candidate_frames, VideoSource.open(chat.video).num_frames)
+                count = min(self.args.candidate_frames or CANDIDATE_FRAMES, VideoSource.open(chat.video).num_frames)
                 if any(e.card.query_aware for e in pipeline.stage_entries("sample")):
                     kwargs[KEY] = {"question": chat.question}  # the task's question, as the HF backend's sampler
             sampled = sample_frames(chat.video, chat.question, None, count, family=self.family)

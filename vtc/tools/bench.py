@@ -81,12 +81,22 @@ def params_for(spec: str, params: dict[str, Any]) -> dict[str, Any]:
     return chosen
 
 
-def only_samplers(spec: str) -> bool:
-    """Whether every method of `spec` is a frame sampler that reduces no token (uniform, bolt, ...)."""
+def frame_budget(spec: str | None, retention: float | None, frames: int) -> tuple[int, float | None]:
+    """(frames the model is shown, retention of the token reducers) for `spec` at an overall `retention` of the
+    visual tokens of `frames` frames. A frame sampler counts as one more reducer of the pipeline's geometric split:
+    `bolt` alone at 0.25 shows a quarter of the frames, `bolt+vidcom2` at 0.25 half of them with vidcom2 keeping
+    half their tokens. Without a sampler: every frame, at `retention`."""
     from vtc.core.pipeline import parse_spec
 
+    if spec is None or retention is None:
+        return frames, retention
     cards = [vtc.registry()[name].card for name in parse_spec(spec)]
-    return all(card.stages == ("sample",) and not card.reduces_tokens for card in cards)
+    if not any(card.stages == ("sample",) and not card.reduces_tokens for card in cards):
+        return frames, retention
+    reducers = sum(card.reduces_tokens for card in cards)
+    share = retention ** (1.0 / (reducers + 1))
+    shown = max(1, round(frames * share))
+    return shown, (retention / share if reducers else None)
 
 
 def _measure(
@@ -266,10 +276,7 @@ def bench(
             load.append(os.getloadavg()[0] if hasattr(os, "getloadavg") else None)
             for label, spec, retention in configs:
                 progress.update(task, description=f"{label} @ {retention if retention else 1.0}")
-                shown, method_retention = frames, retention
-                if spec is not None and only_samplers(spec):
-                    # a sampler reduces frames, not tokens: at retention r it shows r x frames frames
-                    shown, method_retention = max(1, round(frames * retention)), None
+                shown, method_retention = frame_budget(spec, retention, frames)
                 row = _measure(
                     net, processor, video, shown, spec, method_retention, params, rep == 0, layer_scale=layer_scale
                 )

@@ -110,7 +110,7 @@ BENCH_DEFAULTS = {
         family="qwen2_5_vl", size="bench12", methods="vidcom2", retentions="0.5,0.25,0.15", frames=32, repeats=2
     ),
 }
-HF_ONLY_BENCH_OPTIONS = ("video", "param", "dtype")
+HF_ONLY_BENCH_OPTIONS = ("video", "dtype")
 
 
 def cmd_bench(args, console: Console) -> int:
@@ -151,6 +151,7 @@ def cmd_bench(args, console: Console) -> int:
             repeats=args.repeats,
             requests=args.requests,
             evs=not args.no_evs,
+            params=parse_params(args.param),
             out_dir=args.out,
             console=console,
         )
@@ -427,7 +428,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="vtc serve MODEL --methods vidcom2 --retention 0.25 [any vllm serve option]",
     )
     serve.add_argument("model", help="HF model id or local path (Qwen2/2.5/3-VL, LLaVA-OneVision, LLaVA-NeXT-Video)")
-    serve.add_argument("--methods", required=True, help="connect-stage methods, e.g. vidcom2 (see docs/serving.md)")
+    serve.add_argument(
+        "--methods",
+        required=True,
+        help="connect-stage methods, e.g. vidcom2, after a frame sampler, e.g. bolt+vidcom2 (see docs/serving.md)",
+    )
     serve.add_argument("--retention", type=float, help="fraction of each video's tokens the LLM sees, in (0, 1]")
     serve.add_argument("--param", action="append", metavar="NAME=VALUE", help="method parameter, e.g. k=3")
     serve.add_argument("--seed", type=int, default=0, help="seed of every random choice (default 0)")

@@ -367,8 +367,9 @@ class _VtcProcessor:
         return dict(super()._get_mm_hashes(inputs))
 
     def video_token_id(self) -> int:
-        config = self.info.get_hf_config()
-        return int(getattr(config, "video_token_id", None) or config.video_token_index)
+        from vtc.hf.adapters import config_adapter
+
+        return config_adapter(self.family, self.info.get_hf_config()).video_token_id
 
     # --- the connect stage ------------------------------------------------------------------------------------
     def _get_hf_mm_inputs(self, mm_items, hf_kwargs):

@@ -41,12 +41,15 @@ def has_sampler(pipeline: Pipeline) -> bool:
 
 
 @functools.lru_cache(maxsize=16)
-def _turn_end(tokenizer) -> str | None:
-    """What ends a user turn in the tokenizer's chat template (Qwen: "<|im_end|>", Vicuna-style: "ASSISTANT:"),
-    found by rendering a turn around a sentinel; None without a template."""
+def _turn_end(tokenizer, template: str | None = None) -> str | None:
+    """What ends a user turn in the chat template (the tokenizer's, else `template`, the processor's; Qwen:
+    "<|im_end|>", Vicuna-style: "ASSISTANT:"), found by rendering a turn around a sentinel; None without one."""
     try:
         text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": _SENTINEL}], add_generation_prompt=True, tokenize=False
+            [{"role": "user", "content": _SENTINEL}],
+            add_generation_prompt=True,
+            tokenize=False,
+            chat_template=getattr(tokenizer, "chat_template", None) or template,
         )
     except Exception:  # noqa: BLE001 - no template, or one that needs other arguments
         return None
@@ -74,13 +77,15 @@ def media_runs(prompt: list[int], token_id: int) -> list[tuple[int, int]]:
     return out
 
 
-def questions_of(prompt: list[int], video_token_id: int, tokenizer, count: int) -> list[str | None]:
+def questions_of(
+    prompt: list[int], video_token_id: int, tokenizer, count: int, template: str | None = None
+) -> list[str | None]:
     """Each video's question: the text after it, to the end of its turn, without media placeholders or special
-    tokens (None where that text is empty)."""
+    tokens (None where that text is empty). `template`: the chat template when the tokenizer has none."""
     runs = media_runs(prompt, video_token_id)
     if len(runs) != count:
         return [None] * count
-    marker = _turn_end(tokenizer)
+    marker = _turn_end(tokenizer, template)
     specials = _special_strings(tokenizer)
     out: list[str | None] = []
     for _, end in runs:
@@ -139,7 +144,7 @@ def _video_items(items) -> list[_Video]:
     return out
 
 
-def select_frames(processor, inputs, pipeline: Pipeline, question: str | None, family: str, hashes=None):
+def select_frames(processor, inputs, pipeline: Pipeline, question: str | None, family: str):
     """`inputs` (vLLM's `ProcessorInputs`) with every video replaced by the frames `pipeline`'s sampler chose, and
     cache identities keyed by (video, frames). `question`: the request's own (None: read from the prompt)."""
     from vllm.multimodal.parse import MultiModalDataItems, VideoProcessorItems
@@ -148,11 +153,12 @@ def select_frames(processor, inputs, pipeline: Pipeline, question: str | None, f
     if items is None or not isinstance(items, VideoProcessorItems) or not items.get_count():
         return inputs
     videos = _video_items(items)
-    hashes = hashes if hashes is not None else processor.stock_hashes(inputs)
+    hashes = processor.stock_hashes(inputs)
     tokenizer = processor.info.get_tokenizer()
     questions = [question] * len(videos)
     if question is None:
-        questions = questions_of(inputs.prompt, processor.video_token_id(), tokenizer, len(videos))
+        template = getattr(processor.info.get_hf_processor(), "chat_template", None)
+        questions = questions_of(inputs.prompt, processor.video_token_id(), tokenizer, len(videos), template)
     new_items, new_metadata, uuids = [], [], []
     for k, video in enumerate(videos):
         with warnings.catch_warnings(record=True) as caught:
