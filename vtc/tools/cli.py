@@ -431,7 +431,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--methods",
         required=True,
-        help="connect-stage methods, e.g. vidcom2, after a frame sampler, e.g. bolt+vidcom2 (see docs/serving.md)",
+        help="connect-stage methods (vidcom2), a frame sampler before them (bolt+vidcom2); see docs/serving.md",
     )
     serve.add_argument("--retention", type=float, help="fraction of each video's tokens the LLM sees, in (0, 1]")
     serve.add_argument("--param", action="append", metavar="NAME=VALUE", help="method parameter, e.g. k=3")
