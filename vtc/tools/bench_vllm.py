@@ -46,8 +46,9 @@ def install_timers(model) -> None:
     from vtc.hf.timing import ModuleTimer
 
     tower = model.visual if hasattr(model, "visual") else model.vision_tower
-    # the five families' forward calls the language model's decoder (`.model`) directly, not its forward
-    for name, module in (("vision", tower), ("llm", model.language_model.model)):
+    # the model's own forward is the LLM's (the runner encodes media before it): vLLM compiles the decoder
+    # (`language_model.model`), whose module hooks never fire
+    for name, module in (("vision", tower), ("llm", model)):
         _TIMERS[name] = ModuleTimer(module).__enter__()
 
 
