@@ -129,9 +129,9 @@ class ColourEncoder:
         return torch.tensor([table[next(w for w in t.split() if w in table)] for t in texts])
 
 
-def coloured_clip(seconds: int = 20, fps: int = 4, red=(12, 13), blue=(3,)) -> np.ndarray:
-    """A grey [seconds * fps, 32, 32, 3] clip, red during the seconds in `red` and blue during those in `blue`."""
-    frames = np.full((seconds * fps, 32, 32, 3), 90, dtype=np.uint8)
+def coloured_clip(seconds: int = 20, fps: int = 4, red=(12, 13), blue=(3,), size: int = 32) -> np.ndarray:
+    """A grey [seconds * fps, size, size, 3] clip, red during the seconds in `red` and blue during those in `blue`."""
+    frames = np.full((seconds * fps, size, size, 3), 90, dtype=np.uint8)
     for s in red:
         frames[s * fps : (s + 1) * fps, :, :, 0] = 250
     for s in blue:

@@ -14,7 +14,6 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
 import pytest
 
 from tests.probes import coloured_clip
@@ -311,8 +310,7 @@ def test_the_server_chooses_frames_per_question_and_encodes_only_those(sampling_
     client, lines, path = sampling_server
     from transformers import AutoTokenizer
 
-    clip = coloured_clip(seconds=20, fps=4, red=(12, 13), blue=(3,))
-    clip = np.repeat(np.repeat(clip, 4, axis=1), 4, axis=2)  # 128 px frames
+    clip = coloured_clip(seconds=20, fps=4, red=(12, 13), blue=(3,), size=128)
     questions = ["Where is the red ball?", "When does the blue light appear?", "Where is the red ball?"]
     before_chosen, before_kept = len(chosen_logs(lines)), len(kept_logs(lines, "bolt+vidcom2"))
     replies = [

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.probes import ColourEncoder
+from tests.probes import ColourEncoder, coloured_clip
 from tests.test_vllm import answer
 from vtc.core.pipeline import Pipeline
 from vtc.media.encoders import register_encoder
@@ -37,17 +37,8 @@ BOLT = {"methods": "bolt", "params": BOLT_PARAMS}
 register_encoder("test-colour", ColourEncoder())
 
 
-def colour_video(red=(6, 7), blue=(2,), seconds: int = 10) -> np.ndarray:
-    """Grey frames at FPS, red during the seconds in `red`, blue during those in `blue`."""
-    frames = np.full((seconds * FPS, 112, 112, 3), 90, dtype=np.uint8)
-    for s in red:
-        frames[s * FPS : (s + 1) * FPS, :, :, 0] = 250
-    for s in blue:
-        frames[s * FPS : (s + 1) * FPS, :, :, 2] = 250
-    return frames
-
-
-VIDEOS = [colour_video(), colour_video(red=(1,), blue=(8, 9))]
+# 10 s at FPS: red in seconds 6-7, blue in second 2; the second video red in second 1, blue in seconds 8-9
+VIDEOS = [coloured_clip(10, FPS, (6, 7), (2,), size=112), coloured_clip(10, FPS, (1,), (8, 9), size=112)]
 
 
 def chosen(video: np.ndarray, question: str, params=BOLT_PARAMS) -> list[int]:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-import warnings
 from typing import Any
 
 import numpy as np
@@ -150,8 +149,13 @@ def select_frames(processor, inputs, pipeline: Pipeline, question: str | None, f
     from vllm.multimodal.parse import MultiModalDataItems, VideoProcessorItems
 
     items = inputs.mm_data_items.get("video")
-    if items is None or not isinstance(items, VideoProcessorItems) or not items.get_count():
+    if items is None or not items.get_count():
         return inputs
+    if not isinstance(items, VideoProcessorItems):
+        raise ValueError(
+            f"this server chooses frames ({pipeline.spec}), which needs each video's frames; the request sent "
+            "video embeddings"
+        )
     videos = _video_items(items)
     hashes = processor.stock_hashes(inputs)
     tokenizer = processor.info.get_tokenizer()
@@ -161,25 +165,23 @@ def select_frames(processor, inputs, pipeline: Pipeline, question: str | None, f
         questions = questions_of(inputs.prompt, processor.video_token_id(), tokenizer, len(videos), template)
     new_items, new_metadata, uuids = [], [], []
     for k, video in enumerate(videos):
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            try:
-                sampled = sample_frames(
-                    video.frames,
-                    questions[k],
-                    pipeline,
-                    fps=_effective_fps(video.metadata, len(video.frames)),
-                    family=family,
-                )
-            except ValueError as err:
-                raise ValueError(f"{err}{_question_hint(questions[k])}") from None
+        try:
+            sampled = sample_frames(
+                video.frames,
+                questions[k],
+                pipeline,
+                fps=_effective_fps(video.metadata, len(video.frames)),
+                family=family,
+            )
+        except ValueError as err:
+            raise ValueError(f"{err}{_question_hint(questions[k])}") from None
         metadata = _chosen_metadata(video.metadata, sampled.indices, sampled.metadata_overrides)
         frames = np.ascontiguousarray(sampled.frames)
         new_items.append((frames, metadata) if video.tupled else frames)
         new_metadata.append(metadata)
         uuids.append(f"{hashes['video'][k]}+vtc-frames:{','.join(map(str, sampled.indices))}")
         numbers = metadata["frames_indices"] if metadata else sampled.indices
-        _record(sampled, questions[k], uuids[-1], [str(w.message) for w in caught], numbers)
+        _record(sampled, questions[k], uuids[-1], sampled.warnings, numbers)
     data = MultiModalDataItems(dict(inputs.mm_data_items))
     data["video"] = VideoProcessorItems(new_items, metadata=new_metadata)
     uuid_items = {modality: list(values) for modality, values in hashes.items()}
