@@ -375,7 +375,7 @@ def test_a_request_sets_its_own_retention(engines):
     for settings, message in [
         ({"retention": 0.9}, r"retention must be in \[0.1, 0.8\] on this server"),
         ({"retention": 0}, r"retention must be in \(0, 1\]"),
-        ({"methods": "random"}, "a request may set retention, params, seed; this server runs 'vidcom2'"),
+        ({"methods": "random"}, "a request may set retention, params, seed, question; this server runs 'vidcom2'"),
         ({"params": {"vidcom2.alpha": 0.5}}, "method 'vidcom2' has no parameter 'alpha'; its parameters: alphas"),
         ({"params": {"fixed_count": False}}, "fixed_count=False gives a content-dependent count"),
         ("0.5", "must be an object with keys retention, params, seed"),

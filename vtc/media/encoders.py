@@ -160,12 +160,12 @@ TINY_CLIP, TINY_DINOV2 = "vtc-tiny-clip", "vtc-tiny-dinov2"
 
 
 def _register_tiny(spec: str) -> None:
-    from vtc.testing import fixtures
+    from vtc.media import demo_encoders
 
     if spec == TINY_CLIP:
-        fixtures.register_tiny_clip()
+        demo_encoders.register_tiny_clip()
     elif spec == TINY_DINOV2 and spec not in ALIASES:
-        fixtures.register_tiny_dinov2()
+        demo_encoders.register_tiny_dinov2()
 
 
 def clip_encoder(spec: Any, pretrained: str | None = None, *, param: str = "encoder") -> TextImageEncoder:

@@ -11,7 +11,6 @@ similarity-driven methods have real structure to find. Everything is built with 
 from __future__ import annotations
 
 import functools
-import os
 import weakref
 from typing import Any
 
@@ -20,13 +19,13 @@ import torch
 from vtc.api import prepare_inputs
 from vtc.core.families import family_names
 from vtc.hf.adapters import resolve_adapter
+from vtc.media.demo_encoders import register_tiny_clip, register_tiny_dinov2, tiny_dinov2_path  # noqa: F401
 from vtc.media.inputs import SampledVideo, build_messages, processor_video_kwargs
 from vtc.media.video import VideoSource, synthetic_video
 from vtc.testing import tiny
 
 QUESTIONS = ("What happens in this video?", "How many objects are visible in the whole clip, and which one moves?")
 NUM_FRAMES = 8
-ASSETS = os.path.join(os.path.dirname(__file__), "assets")
 
 
 def __getattr__(name: str):
@@ -84,49 +83,3 @@ def token_grids(model: torch.nn.Module, inputs: Any) -> list[tuple[int, int, int
     adapter = resolve_adapter(model)
     captured = adapter.capture(inputs["input_ids"], inputs.get("attention_mask"), dict(inputs))
     return [span.grid for span in adapter.video_spans(captured)]
-
-
-def register_tiny_clip() -> bool:
-    """Make open_clip know `vtc-tiny-clip` (a tiny random CLIP, for quota-clip without downloads). False when
-    open_clip is not installed."""
-    try:
-        import open_clip
-    except ImportError:
-        return False
-    open_clip.add_model_config(ASSETS)
-    return True
-
-
-@functools.lru_cache(maxsize=None)
-def tiny_dinov2_path() -> str:
-    """A random-weight DINOv2 (2 layers, width 32, patch 14 at 56 px) and its image processor, saved in a temporary
-    directory: what an image-encoder parameter (`encoder=`) of a sampler takes in tests, as a user passes
-    `facebook/dinov2-base`."""
-    import tempfile
-
-    from transformers import BitImageProcessor, Dinov2Config, Dinov2Model
-
-    path = os.path.join(tempfile.mkdtemp(prefix="vtc-tiny-dinov2-"), "dinov2")
-    torch.manual_seed(0)
-    config = Dinov2Config(
-        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=56, patch_size=14
-    )
-    Dinov2Model(config).eval().save_pretrained(path)
-    processor = BitImageProcessor(
-        size={"shortest_edge": 64},
-        crop_size={"height": 56, "width": 56},
-        do_center_crop=True,
-        image_mean=[0.485, 0.456, 0.406],
-        image_std=[0.229, 0.224, 0.225],
-        resample=3,
-    )
-    processor.save_pretrained(path)
-    return path
-
-
-def register_tiny_dinov2() -> None:
-    """Make `"vtc-tiny-dinov2"` an image-encoder name (`tiny_dinov2_path`, saved on first use), for the samplers'
-    `test_params`."""
-    from vtc.media.encoders import register_alias
-
-    register_alias("vtc-tiny-dinov2", tiny_dinov2_path)

@@ -64,7 +64,7 @@ def viz(
             "clip; what the methods choose is real, what it means is noise."
         )
         if "bolt" in parse_spec(methods) and not any(k in params for k in ("encoder", "bolt.encoder")):
-            from vtc.testing.fixtures import register_tiny_clip
+            from vtc.media.demo_encoders import register_tiny_clip
 
             register_tiny_clip()  # offline: no CLIP weights to download
             params.update({"bolt.encoder": "vtc-tiny-clip", "bolt.encoder_pretrained": None})
