@@ -30,14 +30,10 @@ from vtc.testing.fixtures import (  # noqa: E402,F401  (re-exported for the test
     QUESTIONS,
     batch_inputs,
     model_and_processor,
-    register_tiny_clip,
-    register_tiny_dinov2,
     single_inputs,
     videos,
 )
 
-register_tiny_clip()  # quota-clip tests use the tiny random CLIP architecture
-register_tiny_dinov2()  # samplers' test_params name "vtc-tiny-dinov2", a random DINOv2 saved on first use
 collect_ignore = ["plugin_example"]  # an installable example package; tests/test_plugin_package.py runs it
 
 

@@ -1,7 +1,8 @@
 """vtc's offline demo encoders: a tiny random CLIP (`vtc-tiny-clip`, an open_clip config) and a tiny random DINOv2
 (`vtc-tiny-dinov2`, saved to a temporary directory on first use). The samplers' tests, `vtc viz`'s demo and a vLLM
 server started for a demo name them instead of the papers' checkpoints, which need a download.
-`vtc.media.encoders` knows both names in every process."""
+Both names are known in every process that loads them (`vtc.media.relevance.load_clip`, `vtc.media.encoders
+.image_encoder` register them on first use): a vLLM server's prompt processor too."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import os
 import torch
 
 ASSETS = os.path.join(os.path.dirname(__file__), "assets")
+TINY_CLIP, TINY_DINOV2 = "vtc-tiny-clip", "vtc-tiny-dinov2"
 
 
 def register_tiny_clip() -> bool:
@@ -56,4 +58,4 @@ def register_tiny_dinov2() -> None:
     `test_params`."""
     from vtc.media.encoders import register_alias  # encoders imports this module lazily
 
-    register_alias("vtc-tiny-dinov2", tiny_dinov2_path)
+    register_alias(TINY_DINOV2, tiny_dinov2_path)

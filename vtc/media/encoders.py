@@ -25,6 +25,7 @@ from typing import Any, Callable, Protocol, Sequence
 import numpy as np
 import torch
 
+from vtc.media.demo_encoders import TINY_DINOV2, register_tiny_dinov2
 from vtc.media.relevance import load_clip
 
 BATCH = 32  # frames per encoder forward
@@ -154,20 +155,6 @@ def register_encoder(name: str, encoder: Any) -> None:
     _ENCODERS[("named", name)] = encoder
 
 
-# vtc's offline demo encoders (random weights, no download), known in every process that asks for them: a vLLM
-# server's prompt processor too
-TINY_CLIP, TINY_DINOV2 = "vtc-tiny-clip", "vtc-tiny-dinov2"
-
-
-def _register_tiny(spec: str) -> None:
-    from vtc.media import demo_encoders
-
-    if spec == TINY_CLIP:
-        demo_encoders.register_tiny_clip()
-    elif spec == TINY_DINOV2 and spec not in ALIASES:
-        demo_encoders.register_tiny_dinov2()
-
-
 def clip_encoder(spec: Any, pretrained: str | None = None, *, param: str = "encoder") -> TextImageEncoder:
     """A CLIP encoder from an open_clip architecture name (+ weights tag or local checkpoint file), or `spec` itself
     when it is already an encoder object. Loaded once per process."""
@@ -177,7 +164,6 @@ def clip_encoder(spec: Any, pretrained: str | None = None, *, param: str = "enco
         return _checked_object(_ENCODERS[("named", spec)], param, ("encode_images", "encode_text"))
     key = ("clip", spec, pretrained)
     if key not in _ENCODERS:
-        _register_tiny(spec)
         _ENCODERS[key] = ClipEncoder(spec, pretrained, param=param)
     return _ENCODERS[key]
 
@@ -189,7 +175,8 @@ def image_encoder(spec: Any, pooling: str = "mean", *, param: str = "encoder") -
         return _checked_object(spec, param, ("encode_images",))
     if ("named", spec) in _ENCODERS:
         return _ENCODERS[("named", spec)]
-    _register_tiny(spec)
+    if spec == TINY_DINOV2 and spec not in ALIASES:
+        register_tiny_dinov2()  # the offline demo DINOv2, known in every process that asks for it
     if spec in ALIASES:
         spec = ALIASES[spec]()
     key = ("image", spec, pooling)

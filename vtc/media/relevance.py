@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from vtc.media.demo_encoders import TINY_CLIP, register_tiny_clip
+
 _CLIP_CACHE: dict[tuple[str, str | None], tuple] = {}
 
 
@@ -23,6 +25,8 @@ def load_clip(name: str, pretrained: str | None):
             raise ImportError(
                 "CLIP frame scoring (quota-clip, select_frames) needs open_clip: pip install 'vtc[clip]'"
             ) from err
+        if name == TINY_CLIP:
+            register_tiny_clip()  # the offline demo CLIP, an open_clip config of vtc's own
         model, _, preprocess = open_clip.create_model_and_transforms(name, pretrained=pretrained)
         _CLIP_CACHE[key] = (model.eval(), preprocess, open_clip.get_tokenizer(name))
     return _CLIP_CACHE[key]

@@ -52,8 +52,6 @@ from vtc.testing.fixtures import (
     QUESTIONS,
     batch_inputs,
     model_and_processor,
-    register_tiny_clip,
-    register_tiny_dinov2,
     single_inputs,
     token_grids,
     videos,
@@ -155,8 +153,6 @@ def _test_params(spec: str) -> dict:
 
 
 def _patch(model, spec: str, retention: float, **params):
-    register_tiny_clip()  # the test encoders test_params may name ("vtc-tiny-clip", "vtc-tiny-dinov2")
-    register_tiny_dinov2()
     return patch(model, spec, retention=retention, **{**_test_params(spec), **params})
 
 

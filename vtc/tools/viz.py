@@ -64,9 +64,7 @@ def viz(
             "clip; what the methods choose is real, what it means is noise."
         )
         if "bolt" in parse_spec(methods) and not any(k in params for k in ("encoder", "bolt.encoder")):
-            from vtc.media.demo_encoders import register_tiny_clip
-
-            register_tiny_clip()  # offline: no CLIP weights to download
+            # offline: the demo CLIP, no weights to download
             params.update({"bolt.encoder": "vtc-tiny-clip", "bolt.encoder_pretrained": None})
         with console.status("building the demo model"):
             net, processor = build_random_model(family, size)
