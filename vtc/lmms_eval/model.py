@@ -264,7 +264,7 @@ class VtcModel(lmms):
         for entry in Pipeline(methods).stage_entries("sample"):
             name = entry.card.name
             fields = {f.name for f in dataclasses.fields(type(entry.method))}
-            if "num_frames" in fields and f"{name}.num_frames" not in params and "num_frames" not in params:
+            if "num_frames" in fields and f"{name}.num_frames" not in params:
                 params = {**params, f"{name}.num_frames": self.args.num_frames}
         return params
 
@@ -406,12 +406,12 @@ class VtcModel(lmms):
         kwargs = dict(self.processor_kwargs)
         sampled = None
         if chat.video is not None:
-            count = self.args.num_frames
+            source, count = VideoSource.open(chat.video), self.args.num_frames  # the file probed once
             if served_sampler:
-                count = min(self.args.candidate_frames or CANDIDATE_FRAMES, VideoSource.open(chat.video).num_frames)
+                count = min(self.args.candidate_frames or CANDIDATE_FRAMES, source.num_frames)
                 if any(e.card.query_aware for e in pipeline.stage_entries("sample")):
                     kwargs[KEY] = {"question": chat.question}  # the task's question, as the HF backend's sampler
-            sampled = sample_frames(chat.video, chat.question, None, count, family=self.family)
+            sampled = sample_frames(source, chat.question, None, count, family=self.family)
             data["video"] = (sampled.frames, {**sampled.metadata, "do_sample_frames": False})
         if images:
             data["image"] = images if len(images) > 1 else images[0]
@@ -433,8 +433,7 @@ class VtcModel(lmms):
                 total_frames=sampled.source.num_frames,
                 fps=sampled.source.fps,
             )
-            picked = [sampled.indices[i] for i in chosen["selection"].indices]
-            sampled = SampledVideo(sampled.frames[chosen["selection"].indices], picked, sampled.source)
+            sampled = SampledVideo(sampled.frames[chosen["selection"].indices], chosen["frames"], sampled.source)
         if sampled is not None:  # the uncompressed counts: the HF processor's expansion of what was encoded
             full = self.processor(
                 text=[prompt],

@@ -81,7 +81,7 @@ from vtc.vllm.positions import (
     prompt_positions,
     split_positions,
 )
-from vtc.vllm.sampling import has_sampler, select_frames
+from vtc.vllm.sampling import select_frames
 from vtc.vllm.stages import holds_module, positions_from_previous_stage, positions_to_next_stage, with_stage_positions
 from vtc.vllm.vision import EncoderStatsCapture, tp_group
 
@@ -351,7 +351,7 @@ class _VtcProcessor:
             settings = inputs.hf_processor_mm_kwargs.get(KEY)
             question = request_question(settings)
             pipeline = self._request_pipeline(server, without_question(settings))
-            if has_sampler(pipeline):
+            if pipeline.has_stage("sample"):
                 inputs = select_frames(self, inputs, pipeline, question, self.family)
         return super().apply(inputs, *args, **kwargs)
 

@@ -35,10 +35,6 @@ LAST_FRAMES: list[dict[str, Any]] = []  # {"question", "selection", "hash"} per 
 _SENTINEL = "\x00vtc-question\x00"
 
 
-def has_sampler(pipeline: Pipeline) -> bool:
-    return pipeline.has_stage("sample")
-
-
 @functools.lru_cache(maxsize=16)
 def _turn_end(tokenizer, template: str | None = None) -> str | None:
     """What ends a user turn in the chat template (the tokenizer's, else `template`, the processor's; Qwen:
