@@ -14,9 +14,11 @@ c. classes: every `Vtc*` model class subclasses 0.33's class of its architecture
    vtc defines are read off its classes: each one 0.33's class also has must be in the list reviewed from
    vtc/vllm/models.py (`MODEL_USES`, `PROCESSOR_USES`; anything else would be vtc shadowing a vLLM method), exist on
    0.33's class, accept every call 0.33's signature accepts (`inspect.signature`: all by position, all by keyword,
-   extra keywords where 0.33 takes **kwargs), and 0.33's method must take vtc's `super()` call. The vLLM internals
-   vtc uses elsewhere (plugin.py, stages.py, vision.py, engine.py, testing/serving.py, tools/serve.py) exist and,
-   where cheap, work (pipeline-stage positions through `IntermediateTensors`, `StageMissingLayer`).
+   extra keywords where 0.33 takes **kwargs), and 0.33's method must take vtc's `super()` call (the processors'
+   `apply` and `get_dummy_mm_inputs`, where server-side frame samplers hook in, among them). The vLLM internals vtc
+   uses elsewhere (plugin.py, stages.py, vision.py, engine.py, sampling.py, testing/serving.py, tools/serve.py)
+   exist and, where cheap, work (pipeline-stage positions through `IntermediateTensors`, `StageMissingLayer`, the
+   `ProcessorInputs` fields sampling.py reads and replaces).
 d. processor side, all five families: vLLM 0.33 builds the engine config with `additional_config={"vtc": ...}`
    (vtc's config hook runs: `hf_config.vtc_serving`, and vLLM's pruning switch on the M-RoPE families) and builds
    vtc's processor, and its `InputProcessor.process_inputs` sizes each video's placeholders to
@@ -278,6 +280,9 @@ MODEL_USES = (
 )
 # reviewed from vtc/vllm/models.py: _VtcProcessor, _QwenProcessor, _Qwen3Processor, _LlavaProcessor
 PROCESSOR_USES = (
+    Use("apply", ALL, args=2),  # (inputs, timing_ctx): frames chosen before the HF processor (vtc.vllm.sampling)
+    Use("get_dummy_mm_inputs", ALL, args=1, kwargs=("cache", "scheduler_config")),  # profiling inputs: not sampled
+    Use("_get_mm_hashes", ALL, args=1, override=False),  # stock_hashes: vLLM's own identity of each item
     Use("_get_hf_mm_inputs", ALL, args=2),
     Use("_get_mm_fields_config", ALL, args=2),
     Use("_get_prompt_updates", ALL, args=3),
@@ -464,6 +469,8 @@ def check_internals() -> None:
         )
     with guarded("c. MMEncoderAttention"):
         check_encoder_attention()
+    with guarded("c. ProcessorInputs"):
+        check_processor_inputs()
     for path, how in INTERNALS:
         with guarded(f"c. {path}"):
             obj = resolve(path)
@@ -482,6 +489,22 @@ def check_encoder_attention() -> None:
     init = inspect.signature(cls.__init__).parameters
     ok = all(params == order for params in forwards.values()) and {"num_heads", "num_kv_heads", "scale"} <= set(init)
     expect("c. MMEncoderAttention", ok, f"forward_* take {order}; __init__{inspect.signature(cls.__init__)}")
+
+
+def check_processor_inputs() -> None:
+    """vtc.vllm.sampling reads a request's prompt, media and settings off `ProcessorInputs` and replaces its media
+    and their cache identities with `dataclasses.replace`; it rebuilds the video items with their metadata."""
+    cls = resolve("vllm.multimodal.processing.inputs:ProcessorInputs")
+    needed = {"prompt", "mm_data_items", "mm_uuid_items", "hf_processor_mm_kwargs"}
+    fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+    items = inspect.signature(resolve("vllm.multimodal.parse:VideoProcessorItems").__init__).parameters
+    ok = needed <= fields and "metadata" in items
+    expect(
+        "c. ProcessorInputs",
+        ok,
+        f"dataclass fields {sorted(fields & needed)} of {sorted(needed)}; "
+        f"VideoProcessorItems({', '.join(list(items)[1:])})",
+    )
 
 
 # (object, where vtc uses it) - beyond the classes; plugin.py, stages.py, vision.py, engine.py, serving.py, serve.py
@@ -662,6 +685,42 @@ def check_processor(family: Family) -> None:
         check_counts(family, family.clips, "two videos")
     if family.name == "qwen2_5_vl":
         check_processor_cache(family)
+    check_server_sampling(family)
+
+
+SAMPLER = {"methods": "uniform", "params": {"uniform.num_frames": 4}}  # a server-side frame sampler
+
+
+def check_server_sampling(family: Family) -> None:
+    """A server with a frame sampler: 0.33's prompt processor runs vtc's `apply`, which hands the HF processor only
+    the chosen frames (the placeholders are stock's for 4 of the clip's 8 frames) and keys the item's cache
+    identity by (video, frames)."""
+    from vllm import SamplingParams
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    from vtc.media.video import sampling_rule, uniform_indices
+    from vtc.testing.serving import video_request
+    from vtc.vllm import sampling
+
+    clip = family.clips[0]
+    picked = uniform_indices(len(clip), 4, sampling_rule(family.name))
+    processor = InputProcessor(engine_config(family.path, SAMPLER, family.name))
+    request = video_request(processor.get_tokenizer(), clip, QUESTION)
+    sampling.LAST_FRAMES.clear()
+    out = processor.process_inputs("sampled", request, SamplingParams(max_tokens=1), ("generate",))
+    stock = family.process("stock", [clip[picked]])
+    feature, stock_feature = videos_of(out)[0], videos_of(stock)[0]
+    tokens = span_tokens(out.prompt_token_ids, feature, family.video_token)
+    want = span_tokens(stock.prompt_token_ids, stock_feature, family.video_token)
+    chosen = [f["selection"].indices for f in sampling.LAST_FRAMES]
+    identity = "+vtc-frames:" + ",".join(map(str, picked))
+    ok = chosen == [picked] and tokens == want and identity in str(feature.identifier)
+    expect(
+        f"d. {family.name}: a server-side sampler sends only its frames",
+        ok,
+        f"chose {chosen} (want [{picked}]), {tokens} video tokens (stock on those frames: {want}), "
+        f"identity {str(feature.identifier)[-40:]}",
+    )
 
 
 def check_processor_cache(family: Family) -> None:

@@ -182,6 +182,11 @@ def test_a_toy_tower_gets_no_ttft_figures_and_a_released_shape_gets_ttft_by_stag
     )
     assert tower["fullatt_block_indexes"] == [7, 15, 23, 31] and tower["out_hidden_size"] == 3584
     assert (released.hidden, released.released_layers, released.layer_scale) == (3584, 28, 7.0)
+    assert "LLM 4 of its 28 layers built, LLM time x7" in released.describe()
+    whole = tiny.SIZES["qwen2-vl-2b"]  # Qwen/Qwen2-VL-2B-Instruct's config.json, every LLM layer built
+    assert (whole.hidden, whole.layers, whole.heads, whole.kv_heads, whole.intermediate) == (1536, 28, 12, 2, 8960)
+    assert whole.layer_scale == 1.0 and "LLM at its full 28 layers" in whole.describe()
+    assert whole.vision_config({}) == tiny.SIZES["qwen2-vl-7b"].vision_config({})  # one tower for 2B and 7B
     with pytest.raises(ValueError, match="Qwen2.5-VL-7B-Instruct, a qwen2_5_vl model, not llava_onevision"):
         tiny.build("llava_onevision", "qwen2.5-vl-7b")
 

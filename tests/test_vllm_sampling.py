@@ -155,6 +155,33 @@ def test_a_sampler_composes_with_a_connect_method(served):
     assert len(got.prompt) == len(expected["red"][1].prompt) - grid[0] * grid[1] * grid[2] + count
 
 
+QGATE = {"q-gate.weights": (1.0, 0.0, 0.0), "q-gate.encoder": "test-colour", "q-gate.encoder_pretrained": None}
+DIG = {"dig.query_type": "global", "dig.encoder": "vtc-tiny-dinov2"}
+
+
+@pytest.mark.parametrize(
+    "spec, params",
+    [("q-gate", {**QGATE, "q-gate.num_frames": 4}), ("dig", {**DIG, "dig.num_frames": 4})],
+    ids=["q-gate", "dig"],
+)
+def test_samplers_that_would_ask_the_model_serve_when_told_not_to(served, spec, params):
+    """q-gate with a fixed gate and DIG on a global question never call the host model, so they serve: the server
+    chooses what the HF backend chooses. DIG also tells the model its official 0.5-s spacing (frame numbers 0..3
+    at 2 fps) instead of the true frame numbers."""
+    _, llm, requests, _ = served
+    reconfigure(llm, {"methods": spec, "params": params})
+    sampling.LAST_FRAMES.clear()
+    answer(llm, requests["red"], max_tokens=1)
+    served_frames = sampling.LAST_FRAMES[-1]
+    hf = sample_frames(VIDEOS[0], RED, Pipeline(spec, params=params), fps=FPS)
+    assert served_frames["selection"].indices == hf.indices
+    if spec == "q-gate":  # the visual-grounding expert alone: the red seconds
+        assert sum(i // FPS in (6, 7) for i in hf.indices) >= 3
+    else:
+        assert hf.indices == [0, 13, 26, 39] and served_frames["frames"] == [0, 1, 2, 3]
+    clear_caches(llm)
+
+
 def test_a_request_names_its_question_and_a_prompt_without_one_is_refused(served):
     _, llm, requests, expected = served
     reconfigure(llm, BOLT)

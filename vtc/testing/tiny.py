@@ -124,8 +124,16 @@ class TinySize:
 
     @property
     def layer_scale(self) -> float:
-        """Released LLM depth / built depth (1 for the toy sizes)."""
+        """Released LLM depth / built depth (1 for the toy sizes and the full-depth released shapes)."""
         return (self.released_layers or self.layers) / self.layers
+
+    def describe(self) -> str:
+        """What a benchmark built, for its title: the checkpoint's shape and how much of its LLM."""
+        if self.layer_scale == 1.0:
+            llm = f"LLM at its full {self.layers} layers"
+        else:
+            llm = f"LLM {self.layers} of its {self.released_layers} layers built, LLM time x{self.layer_scale:g}"
+        return f"random-weight {self.checkpoint} shape (vision tower as released; {llm})"
 
     def vision_config(self, tiny: dict[str, Any]) -> dict[str, Any]:
         """The family's tiny vision config with this shape's released values over it."""
@@ -142,18 +150,33 @@ _QWEN25_TOWER = (  # Qwen2.5-VL-3B/7B/72B share the vision tower (32 blocks of 1
     ("fullatt_block_indexes", (7, 15, 23, 31)),
     ("window_size", 112),
 )
+_QWEN2_TOWER = (("depth", 32), ("embed_dim", 1280), ("num_heads", 16), ("mlp_ratio", 4))  # Qwen2-VL-2B/7B/72B
 _QWEN2_7B = dict(hidden=3584, heads=28, kv_heads=4, intermediate=18944, released_layers=28)
 
-# Released checkpoints' shapes (from their config.json), random weights, 4 LLM layers built: the vision tower is the
-# checkpoint's own, the LLM of its width. `vtc bench --size NAME`.
+# Released checkpoints' shapes (from their config.json), random weights: the vision tower is the checkpoint's own, the
+# LLM of its width with 4 of its layers built (the 7-8B LLMs do not fit a 2-core machine's time or 24 GiB in fp32),
+# except qwen2-vl-2b, built whole: the one released shape whose in-LLM schedules (FastV's K, FrameFusion's merge
+# layers) run at their real depth on such a machine. `vtc bench --size NAME`.
 RELEASED_SIZES = {
+    "qwen2-vl-2b": TinySize(  # Qwen2-1.5B as the LLM, all 28 layers
+        hidden=1536,
+        layers=28,
+        heads=12,
+        kv_heads=2,
+        intermediate=8960,
+        vocab=1024,
+        family="qwen2_vl",
+        checkpoint="Qwen/Qwen2-VL-2B-Instruct",
+        released_layers=28,
+        vision=_QWEN2_TOWER,
+    ),
     "qwen2-vl-7b": TinySize(
         layers=4,
         vocab=1024,
         family="qwen2_vl",
         checkpoint="Qwen/Qwen2-VL-7B-Instruct",
         **_QWEN2_7B,
-        vision=(("depth", 32), ("embed_dim", 1280), ("num_heads", 16), ("mlp_ratio", 4)),
+        vision=_QWEN2_TOWER,
     ),
     "qwen2.5-vl-7b": TinySize(
         layers=4,

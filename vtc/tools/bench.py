@@ -39,6 +39,7 @@ import vtc
 from vtc.hf.loading import load_model
 from vtc.hf.timing import LLMTimer, VisionTimer, peak_memory_mb, plain_prefill_seconds, synchronize
 from vtc.media.encoders import FEATURE_CACHE
+from vtc.testing.tiny import RELEASED_SIZES, SIZES
 from vtc.tools.loading import build_random_model, demo_clip
 from vtc.tools.progress import progress_bar
 
@@ -233,8 +234,6 @@ def bench(
     params = dict(params or {})
     layer_scale, released = 1.0, model is not None
     if model is None:
-        from vtc.testing.tiny import SIZES
-
         shape = SIZES.get(size)
         family = shape.family if shape is not None and shape.family else family
         with console.status(f"building a random-weight {family} ({size}) model"):
@@ -242,10 +241,7 @@ def bench(
         name = f"random-weight {family} ({size})"
         if shape is not None and shape.released:
             released, layer_scale = True, shape.layer_scale
-            name = (
-                f"random-weight {shape.checkpoint} shape (vision tower as released; LLM {shape.layers} of its "
-                f"{shape.released_layers} layers built, LLM time x{layer_scale:g})"
-            )
+            name = shape.describe()
     else:
         with console.status(f"loading {model}"):
             net, processor = load_model(model, dtype=dtype)
@@ -403,8 +399,8 @@ CONSOLE_TABLES = (
 )
 TOY_TOWER_NOTE = (
     "no TTFT figures: this model's vision tower is a toy (2-4 blocks, 64 wide), which hides the tower's share of "
-    "time to first token; run with a released shape (--size qwen2.5-vl-7b, qwen2.5-vl-3b, qwen2-vl-7b, qwen3-vl-8b, "
-    "llava-onevision-7b, llava-next-video-7b) or a real model (--model) for TTFT"
+    f"time to first token; run with a released shape (--size {', '.join(RELEASED_SIZES)}) or a real model (--model) "
+    "for TTFT"
 )
 
 

@@ -164,10 +164,7 @@ def bench_vllm(
         row["vision_share"] = row["vision_s"] / row["ttft_s"]
         row["llm_ceiling"] = base["ttft_s"] / (row["ttft_s"] - row["prefill_s"])  # this row's LLM at no cost
     if released:
-        label = (
-            f"random-weight {shape.checkpoint} shape (vision tower as released; LLM {shape.layers} of its "
-            f"{shape.released_layers} layers built, LLM time x{layer_scale:g})"
-        )
+        label = shape.describe()
     else:
         label = path if model else f"random {family} ({size})"
     report = {"model": label, "frames": frames, "frame_size": frame_size, "released_shape": released, "rows": rows}

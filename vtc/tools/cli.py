@@ -317,6 +317,8 @@ def cmd_stream(args, console: Console) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from vtc.testing.tiny import RELEASED_SIZES
+
     parser = argparse.ArgumentParser(prog="vtc", description="training-free visual-token compression for video-LLMs")
     sub = parser.add_subparsers(dest="command")
 
@@ -348,8 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--size",
         help="random model size: tiny, demo, bench, bench12 (toy vision towers: no TTFT figures), or a released "
-        "checkpoint's shape: qwen2.5-vl-7b, qwen2.5-vl-3b, qwen2-vl-7b, qwen3-vl-8b, llava-onevision-7b, "
-        "llava-next-video-7b (default bench; vllm: bench12)",
+        f"checkpoint's shape: {', '.join(RELEASED_SIZES)} (default bench; vllm: bench12)",
     )
     bench.add_argument(
         "--methods", help="comma-separated method specs (default random,fastv,framefusion; vllm: vidcom2)"
