@@ -170,7 +170,7 @@ def test_docs_examples(offline, capsys):
 
 def test_write_a_plugin_example_registers_and_passes(offline):
     namespace: dict = {}
-    blocks = code_blocks(ROOT / "docs" / "write-a-plugin.md", "python")
+    blocks = [b for b in code_blocks(ROOT / "docs" / "write-a-plugin.md", "python") if "PatchSelector" not in b]
     assert len(blocks) == 4
     run_python(blocks[0], namespace)
     registry = vtc.registry()
@@ -203,6 +203,36 @@ def test_write_a_plugin_example_registers_and_passes(offline):
             matrix["test_conformance"](case)
     finally:
         registry.remove("keepnorm")
+
+
+def test_write_a_plugin_encode_example_runs_the_tower_on_the_survivors(offline):
+    (block,) = [b for b in code_blocks(ROOT / "docs" / "write-a-plugin.md", "python") if "PatchSelector" in b]
+    namespace: dict = {}
+    run_python(block, namespace)
+    registry = vtc.registry()
+    try:
+        vtc.register(namespace["KeepBusy"])
+        model, processor = tiny.build("qwen2_vl")
+        inputs = vtc.prepare_inputs(processor, "clip.mp4", "What happens?", num_frames=4)
+        with torch.no_grad():
+            ref = model(**inputs).logits
+        with vtc.patch(model, "keepbusy", retention=1.0):
+            with torch.no_grad():
+                assert torch.equal(model(**inputs).logits, ref)
+        with vtc.patch(model, "keepbusy+divprune", retention=0.25) as handle:
+            with torch.no_grad():
+                model(**inputs)
+            stats = handle.stats()
+        n = stats.visual_tokens_in
+        assert [(r.stage, r.plugin, r.tokens_in, r.tokens_out) for r in stats.stages][0] == (
+            "encode",
+            "keepbusy",
+            n,
+            round(0.5 * n),
+        )
+        assert stats.visual_tokens_out == handle.retained_count(stats.grids[0])
+    finally:
+        registry.remove("keepbusy")
 
 
 def test_every_method_has_a_row_in_the_methods_table_and_a_page():

@@ -18,11 +18,13 @@ from vtc.core.bases import (
     FrameSampler,
     LayerPruner,
     Merge,
+    PatchSelector,
     StreamMemoryMethod,
     TokenMerger,
     TokenSelector,
 )
 from vtc.core.method import DType, Method, MethodCard, as_dtype, method, param
+from vtc.core.patches import VideoPatches
 from vtc.core.registry import register, registry
 from vtc.core.tokens import Context, VideoTokens
 from vtc.core.vision_stats import VisionStat
@@ -47,10 +49,12 @@ __all__ = [
     "Method",
     "MethodCard",
     "PatchHandle",
+    "PatchSelector",
     "StreamMemoryMethod",
     "StreamSession",
     "TokenMerger",
     "TokenSelector",
+    "VideoPatches",
     "VideoTokens",
     "VisionStat",
     "as_dtype",

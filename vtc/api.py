@@ -146,7 +146,8 @@ def patch(
                parameters (split evenly over several token-reducing methods). None = official defaults.
     positions: "keep" (survivors keep their original positions) or "compact" (renumbered; 1-D RoPE
                families only). Default: what each method's official code does.
-    processor: optional; lets query-aware methods read the question as text.
+    processor: optional; lets query-aware methods read the question as text (and encode-stage methods read its
+               pixel normalisation; default: the family's video processor's).
     params:    method parameters by name (`k=3`) or qualified (`**{"fastv.k": 3}`).
 
     Only this instance is changed; `handle.unpatch()` restores it exactly. A model carries one patch: patching
@@ -156,7 +157,9 @@ def patch(
     pipeline = Pipeline(methods, retention=retention, params=params, family=adapter.family)
     recorder = StatsRecorder()
     tokenizer = getattr(processor, "tokenizer", processor) if processor is not None else None
-    model_patch = ModelPatch(adapter, pipeline, recorder, positions=positions, seed=seed, tokenizer=tokenizer)
+    model_patch = ModelPatch(
+        adapter, pipeline, recorder, positions=positions, seed=seed, tokenizer=tokenizer, processor=processor
+    )
     model_patch.install()  # refuses a model another handle has patched (naming it)
     return PatchHandle(model, pipeline, model_patch, recorder)
 

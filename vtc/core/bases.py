@@ -5,6 +5,7 @@
 - `LayerPruner` (prefill): FastV's "attention at K-1, keep at K" (FastV, PruneVid's stage 2, HoliTom's inner
   pruning and FrameFusion's prune step are all this).
 - `FrameSampler` (sample): choose the frames the processor sees; reduces no token.
+- `PatchSelector` (encode): keep a subset of each video's merge units before the vision tower runs.
 - `StreamMemoryMethod`: decides what a `vtc.stream` session remembers (`stream_memory(config)`).
 
 A method that does several things (HoliTom, PruneVid, QuoTA) composes them: it holds the part it shares with
@@ -21,6 +22,7 @@ import torch
 from vtc.core.method import Grid, LLMState, Method
 
 if TYPE_CHECKING:  # pragma: no cover
+    from vtc.core.patches import VideoPatches
     from vtc.core.tokens import Context, VideoTokens
 
 Tensor = torch.Tensor
@@ -31,6 +33,14 @@ def fraction_count(num_tokens: int, fraction: float) -> int:
     if num_tokens == 0:
         return 0
     return max(1, min(num_tokens, round(fraction * num_tokens)))
+
+
+def retention_fraction(method: Method, default: float) -> float:
+    """The fraction a selector keeps: its `ratio` field when set, else its share of the retention, else `default`."""
+    ratio = getattr(method, "ratio", None)
+    if ratio is not None:
+        return float(ratio)
+    return method.retention if method.retention is not None else default
 
 
 class TokenSelector(Method):
@@ -47,10 +57,7 @@ class TokenSelector(Method):
     sort_kept: ClassVar[bool] = True  # survivors in their original order (False: the order `choose` gives)
 
     def fraction(self) -> float:
-        ratio = getattr(self, "ratio", None)
-        if ratio is not None:
-            return float(ratio)
-        return self.retention if self.retention is not None else self.default_fraction
+        return retention_fraction(self, self.default_fraction)
 
     def retained_count(self, num_tokens: int, grid: Grid, family: str) -> int | None:
         return fraction_count(num_tokens, self.fraction())
@@ -227,6 +234,36 @@ class FrameSampler(Method):
         names another model or fixes the answer). A vLLM server chooses frames in its prompt processor, which
         cannot call the model it serves, and refuses a sampler that would."""
         return None
+
+
+class PatchSelector(Method):
+    """Encode stage, before the vision tower's first block: keep a subset of each video's merge units
+    (`vtc.core.patches.VideoPatches`); the tower then runs on the survivors alone and each one reaches the LLM as
+    the token of its original (t, h, w) cell.
+
+    The count is `retained_count` (default `round(fraction * n)` as `TokenSelector`'s); with every unit kept the
+    patches pass unchanged, otherwise `choose(patches, count, ctx)` returns the kept indices (into the current
+    survivors). A method whose count depends on the content returns None from `retained_count`. Runs on the
+    families that offer `encode_units` (the Qwen towers, whose input is grouped in merge units)."""
+
+    default_fraction: ClassVar[float] = 0.5
+    requires: ClassVar[frozenset[str]] = frozenset({"encode_units"})
+
+    def fraction(self) -> float:
+        return retention_fraction(self, self.default_fraction)
+
+    def retained_count(self, num_tokens: int, grid: Grid, family: str) -> int | None:
+        return fraction_count(num_tokens, self.fraction())
+
+    def choose(self, patches: VideoPatches, count: int | None, ctx: Context) -> Tensor:
+        """The indices (into `patches`' survivors) of the units to keep (`count` of them when it is not None)."""
+        raise NotImplementedError
+
+    def encode(self, patches: VideoPatches, ctx: Context) -> VideoPatches:
+        count = self.retained_count(len(patches), patches.grid, ctx.family)
+        if count is not None and count >= len(patches):
+            return patches
+        return patches.select(self.choose(patches, count, ctx))
 
 
 class StreamMemoryMethod(Method):

@@ -51,14 +51,20 @@ def connect_video(
     timestamps: Tensor | None = None,
     extras: dict[str, Tensor] | None = None,
     seq_index: Tensor | None = None,
+    survivors: Tensor | None = None,
 ) -> tuple[VideoTokens, VideoTokens]:
     """Run the connect plugins of `pipeline` on one video. Returns `(tokens_in, tokens_out)`; `tokens_out is
-    tokens_in` when every plugin kept everything. `ctx.geometry.mrope` decides the default position layout."""
+    tokens_in` when every plugin kept everything. `ctx.geometry.mrope` decides the default position layout.
+    `survivors`: the grid cells the encode stage kept (ascending); the connect plugins see only those."""
     mrope = bool(ctx.geometry.mrope) if ctx.geometry is not None else False
     tokens = video_tokens(
         embeds, grid, mrope=mrope, positions=positions, timestamps=timestamps, extras=extras, seq_index=seq_index
     )
-    return tokens, pipeline.run_connect(tokens, ctx, recorder)
+    start = tokens
+    if survivors is not None and survivors.numel() < len(tokens):
+        start = tokens.select(survivors.to(tokens.embeds.device))
+        start.log.append(("encode", len(tokens), len(start)))
+    return tokens, pipeline.run_connect(start, ctx, recorder)
 
 
 def grid_cells(tokens: VideoTokens) -> Tensor:

@@ -42,6 +42,8 @@ FEATURES = {
     "patch_grid": "the vision tower's statistics come per patch of a finer grid (with `geometry.cls_tokens` leading "
     "tokens) that the model pools into its LLM tokens; `geometry.to_token_grid` maps them",
     "prepool": "the features before that pooling are available (`ctx.prepool`, `ctx.pool`)",
+    "encode_units": "encode-stage methods can drop whole merge units before the vision tower (the HF Qwen towers: "
+    "survivors keep their rotary rows, per-frame attention segments and windows; `vtc.hf.encode`)",
     "cls_token": "the vision tower has a CLS token first in each frame's sequence (the 'cls' statistic)",
     "deepstack": "visual features also enter the first LLM layers (Qwen3-VL DeepStack), sliced with the tokens",
     "timestamps": "the inputs carry each frame's time (Qwen2.5-VL / Qwen3-VL)",

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 import torch
 
 if TYPE_CHECKING:  # pragma: no cover
+    from vtc.core.patches import VideoPatches
     from vtc.core.tokens import Context, TokenLayout, VideoTokens
     from vtc.core.vision_stats import VisionStat
 
@@ -199,10 +200,17 @@ class Method:
         """
         raise NotImplementedError
 
-    def encode(self, vision: Any, ctx: Context) -> None:
-        """Reserved: act inside the vision tower. No backend runs this stage yet, so `vtc.patch` refuses methods
-        that override it (vision-tower attention is offered to connect methods through `vision_stats`)."""
-        raise NotImplementedError
+    def encode(self, patches: VideoPatches, ctx: Context) -> VideoPatches:
+        """Act before the vision tower: keep a subset of one video's merge units (`patches.select`); the tower
+        runs on the survivors alone, and each reaches the LLM as the token of its original (t, h, w) cell.
+
+        patches: `vtc.core.patches.VideoPatches` (what earlier encode methods left; `values()` de-normalises the
+        pixels); ctx: question, family, geometry, `state`, `report`. Return `patches` itself to keep everything.
+        vtc checks the result: at least one unit, and exactly `retained_count(...)` units when the method promises
+        a count. Runs on the families offering `encode_units` (the Qwen towers), on the HF backend; merging
+        between the tower's blocks is not offered yet.
+        """
+        return patches
 
     def connect(self, tokens: VideoTokens, ctx: Context) -> VideoTokens:
         """Prune or merge the visual tokens of one video after the projector, before the LLM sees them.

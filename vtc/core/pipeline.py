@@ -15,6 +15,7 @@ from typing import Any, Iterable
 
 from vtc.core.families import family_names, get_family
 from vtc.core.method import STAGES, Method, MethodCard
+from vtc.core.patches import VideoPatches
 from vtc.core.registry import Registry, registry
 from vtc.core.stats import StatsRecorder
 from vtc.core.tokens import Context, VideoTokens
@@ -180,14 +181,6 @@ class Pipeline:
         cards = [m.card for m in given]
         self._check_conflicts(cards)
         check_streaming(cards, streaming, methods)
-        encoders = [c.name for c in cards if "encode" in c.stages]
-        if encoders:
-            # the hook exists for third-party methods to target, but no backend calls it yet
-            raise ValueError(
-                f"method(s) {', '.join(encoders)} act in the encode stage, which this vtc version does not run "
-                "yet; supported stages: sample, connect, prefill"
-            )
-
         routed = _route_params(given, params or {})
         given = [_construct(type(m), routed[m.card.name], m) if routed[m.card.name] else m for m in given]
         reducers = [c for c in cards if c.reduces_tokens]
@@ -214,8 +207,24 @@ class Pipeline:
                 owners[decision] = card.name
 
     def _check_order(self) -> None:
-        """A method that needs whole frames must see them: no connect method may run before it."""
+        """A method that needs whole frames must see them: no connect method, and no encode method, may run
+        before it. A connect method reading the vision tower's statistics must read those of the tower it means:
+        an encode method changes what the tower attends over."""
         connect = self.stage_entries("connect")
+        encoders = [e.card.name for e in self.stage_entries("encode")]
+        for e in connect if encoders else []:
+            if e.card.whole_frames:
+                raise ValueError(
+                    f"{e.card.name} needs whole frames (every token of every frame it gets), but the encode-stage "
+                    f"method {', '.join(encoders)} removes units inside frames before the vision tower; use a connect "
+                    "method that takes any subset of tokens after it, or drop one of the two"
+                )
+            if e.card.vision_stats:
+                raise ValueError(
+                    f"{e.card.name} reads the vision tower's attention, but the encode-stage method "
+                    f"{', '.join(encoders)} runs the tower on a subset of the patches, so those statistics are not the "
+                    "ones its official code reads; use a connect method that needs no vision statistics after it"
+                )
         for i, e in enumerate(connect):
             if e.card.whole_frames and i > 0:
                 before = ", ".join(x.card.name for x in connect[:i])
@@ -341,6 +350,40 @@ class Pipeline:
             own = ctx.replace(state=state, prepared={}, reports=ctx.reports)
             return e.method.sample(video, own), {e.card.name: state} if state else {}
         return None
+
+    def run_encode(self, patches: VideoPatches, ctx: Context) -> tuple[VideoPatches, list[tuple]]:
+        """One video's patches through every encode method, in order, each output checked. Returns the survivors
+        and one (method, units in, units out, seconds, reports) record per method (the backend runs this inside
+        the model's media encoding, before the prompt's statistics record exists)."""
+        records = []
+        for e in self.stage_entries("encode"):
+            n_in = len(patches)
+            start = time.perf_counter()
+            own = ctx.replace(state=self._stores.setdefault(e.card.name, {}), prepared={}, reports={})
+            out = e.method.encode(patches, own)
+            seconds = time.perf_counter() - start
+            self._check_patches(e, patches, out, ctx)
+            records.append((e.card.name, n_in, len(out), seconds, own.reports))
+            patches = out
+        return patches, records
+
+    def _check_patches(self, e: Entry, patches: VideoPatches, out: Any, ctx: Context) -> None:
+        name = e.card.name
+        if not isinstance(out, VideoPatches):
+            raise TypeError(f"method {name!r}: encode must return VideoPatches, got {type(out).__name__}")
+        if out is patches:
+            return
+        if len(patches) and not len(out):
+            raise RuntimeError(f"method {name!r} kept no unit of a video of {len(patches)}: keep at least one")
+        if out.grid != patches.grid or out.num_units != patches.num_units:
+            raise RuntimeError(f"method {name!r} changed the video's grid {patches.grid} -> {out.grid}; keep it")
+        if e.card.fixed_count and ctx.family is not None:
+            promised = self._method_count(e, len(patches), patches.grid, ctx.family)
+            if promised is not None and promised != len(out):
+                raise RuntimeError(
+                    f"method {name!r} promised {promised} units (retained_count({len(patches)}, {patches.grid}, "
+                    f"{ctx.family!r})) but kept {len(out)}"
+                )
 
     def run_connect(self, tokens: VideoTokens, ctx: Context, recorder: StatsRecorder | None) -> VideoTokens:
         """The connect engine: one video's tokens through every connect method, in order, each output checked."""

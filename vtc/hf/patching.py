@@ -26,6 +26,7 @@ from vtc.core.pipeline import Pipeline
 from vtc.core.stats import StatsRecorder
 from vtc.core.tokens import Context
 from vtc.hf.adapters import Adapter, CapturedInputs, VideoSpan
+from vtc.hf.encode import EncodedVideo, EncodeStage, pixel_normalization
 from vtc.hf.llm.runtime import LLMRuntime
 from vtc.hf.sequence import deepstack_per_token, identity_layout, rebuild
 from vtc.hf.vision import VisionCapture
@@ -96,6 +97,7 @@ class ModelPatch:
         positions: str | None = None,
         seed: int = 0,
         tokenizer: Any = None,
+        processor: Any = None,
     ) -> None:
         self.adapter = adapter
         self.pipeline = pipeline
@@ -103,7 +105,9 @@ class ModelPatch:
         self.policy = pipeline.position_policy(positions, adapter.mrope)
         self.seed = seed
         self.tokenizer = tokenizer
+        self.processor = processor
         self.runtime: LLMRuntime | None = None
+        self.encode: EncodeStage | None = None
         self.vision: VisionCapture | None = None
         self.prepool = None
         self.mapping: PromptMapping | None = None
@@ -160,6 +164,10 @@ class ModelPatch:
         if stats:
             self.vision = VisionCapture(adapter, stats)
             self.vision.install()
+        if self.pipeline.has_stage("encode"):
+            mean, std = pixel_normalization(adapter, self.processor)
+            self.encode = EncodeStage(adapter, self.pipeline, mean, std)
+            self.encode.install()
         if self.pipeline.needs_prepool:
             self.prepool = adapter.prepool_capture()
             if self.prepool is not None:
@@ -193,6 +201,9 @@ class ModelPatch:
         if self.prepool is not None:
             self.prepool.remove()
             self.prepool = None
+        if self.encode is not None:
+            self.encode.remove()
+            self.encode = None
         self.mapping = None
         self._captured = None
 
@@ -201,14 +212,14 @@ class ModelPatch:
         """Run the model as if unpatched (samplers that score frames with the model itself use this)."""
         before = self.enabled
         self.enabled = False
-        for part in (self.vision, self.prepool):
+        for part in (self.vision, self.prepool, self.encode):
             if part is not None:
                 part.enabled = False
         try:
             yield
         finally:
             self.enabled = before
-            for part in (self.vision, self.prepool):
+            for part in (self.vision, self.prepool, self.encode):
                 if part is not None:
                     part.enabled = before
 
@@ -348,6 +359,7 @@ class ModelPatch:
         for b in range(bsz):  # the frames handle.prepare chose for this prompt, row by row
             row = captured.input_ids[b][mask[b].bool().to(captured.input_ids.device)]
             stats.frames.extend(self.prepared.get(tuple(row.tolist()), {}).get("frames", []))
+        encoded = self._encoded_videos(spans)
         vision = self.vision.video_stats(spans) if self.vision is not None else [{} for _ in spans]
         prepool = self.prepool.per_video([s.grid[0] for s in spans]) if self.prepool is not None else None
         self.pipeline.begin_prompt()  # every method's ctx.state starts empty for this prompt
@@ -357,9 +369,10 @@ class ModelPatch:
             ctx = self._context(span, captured, mask).replace(video_index=k, vision=vision[k])
             if prepool is not None:
                 ctx = ctx.replace(prepool=prepool[k], pool=self.prepool.pool, project=self.prepool.projection)
-            tokens, out = connect_video(
-                self.pipeline, ctx=ctx, recorder=self.recorder, **self._video_inputs(span, embeds, positions, deepstack)
-            )
+            inputs = self._video_inputs(span, embeds, positions, deepstack)
+            if encoded is not None:
+                inputs["survivors"] = encoded[k].kept
+            tokens, out = connect_video(self.pipeline, ctx=ctx, recorder=self.recorder, **inputs)
             changed |= out is not tokens  # plugins return their input untouched when they keep everything
             outputs.append(out)
         stats.llm_tokens_per_video = [len(o) for o in outputs]
@@ -397,6 +410,26 @@ class ModelPatch:
                 model=adapter.model,
             )
         return kwargs
+
+    def _encoded_videos(self, spans: list[VideoSpan]) -> list[EncodedVideo] | None:
+        """What the encode stage kept of each video of this prompt (its records go into the stats now that they
+        exist); None without encode methods."""
+        if self.encode is None:
+            return None
+        encoded = self.encode.take()
+        grids = [s.grid for s in spans]
+        if encoded is None or [e.grid for e in encoded] != grids:
+            found = "no video" if encoded is None else f"videos of grids {[e.grid for e in encoded]}"
+            raise RuntimeError(
+                f"the encode stage ({', '.join(e.card.name for e in self.pipeline.stage_entries('encode'))}) saw "
+                f"{found}, but this prompt has videos of grids {grids}: vtc runs encode methods inside the model's "
+                "get_video_features, so pass pixel_values_videos (not precomputed features or inputs_embeds)"
+            )
+        for e in encoded:
+            for name, n_in, n_out, seconds, reports in e.records:
+                self.recorder.record("encode", name, n_in, n_out, seconds)
+                self.recorder.report(name, reports)
+        return encoded
 
     def _original_positions(self, position_ids, bsz: int, length: int, device) -> Tensor:
         """Original positions as [P, B, L]: P = 3 (t, h, w) for M-RoPE, 1 for 1-D RoPE.

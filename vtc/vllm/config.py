@@ -186,6 +186,12 @@ class ServeConfig:
         allowed = _allowed()
         for name in parse_spec(self.methods):
             info = methods[name].card  # raises naming the installed methods
+            if "encode" in info.stages:
+                raise ValueError(
+                    f"{name} acts in the encode stage (on the patches before the vision tower), which vtc runs on "
+                    "the HF backend only so far: vLLM encodes with its own tower implementations, which vtc does not "
+                    f"hook yet; methods the server runs: {allowed}"
+                )
             if "sample" in info.stages and name not in servable_samplers():
                 part = SAMPLER_PARTS.get(name)
                 hint = f"serve its frame choice alone as {part!r}, or" if part else "or"

@@ -23,7 +23,7 @@ FAMILY = Family(
     frame_rule="round",
     media_kwargs=QWEN_MEDIA_KWARGS,
     vision_stats=QWEN_VISION_STATS,
-    features=frozenset({"mrope", "merge_units", "timestamps", "streaming"}),
+    features=frozenset({"mrope", "merge_units", "encode_units", "timestamps", "streaming"}),
     tiny="vtc.testing.tiny:build_qwen2_5_vl",
 )
 
@@ -42,6 +42,15 @@ class Qwen2_5_VLAdapter(Qwen2VLAdapter):
             return get_vision_window_index(grid_thw, merge, window, patch)[0]
 
         return qwen_vision_stats(self, calls, spans, layer_of, window_index)
+
+    def survivor_tower_inputs(self, grid_thw, kept, rows) -> dict:
+        """As Qwen2-VL's, plus the window attention restricted to the survivors."""
+        from vtc.hf.encode import window_kwargs
+
+        return {
+            **super().survivor_tower_inputs(grid_thw, kept, rows),
+            **window_kwargs(grid_thw, kept, self.model.config.vision_config),
+        }
 
     def _add_timestamps(self, spans: list[VideoSpan], captured: CapturedInputs) -> None:
         """Seconds of each temporal patch: `second_per_grid_ts` (one float per video, fractional above 2 fps) when

@@ -22,7 +22,7 @@ FAMILY = Family(
     frame_rule="round",
     media_kwargs=QWEN_MEDIA_KWARGS,
     vision_stats=QWEN_VISION_STATS,
-    features=frozenset({"mrope", "merge_units", "streaming"}),
+    features=frozenset({"mrope", "merge_units", "encode_units", "streaming"}),
     tiny="vtc.testing.tiny:build_qwen2_vl",
 )
 
@@ -131,6 +131,21 @@ class Qwen2VLAdapter(Adapter):
     @property
     def spatial_merge(self) -> int:
         return int(self.model.config.vision_config.spatial_merge_size)
+
+    video_processor_class = "Qwen2VLVideoProcessor"  # whose image_mean / image_std normalised the pixels
+
+    def survivor_tower_inputs(self, grid_thw: torch.Tensor, kept: list[torch.Tensor], rows: torch.Tensor) -> dict:
+        """The tower inputs transformers lets a caller precompute, for the surviving units' patch `rows` only: their
+        2-D rotary rows and one attention segment per temporal patch (`vtc.hf.encode`)."""
+        from transformers.vision_utils import get_vision_position_ids
+
+        from vtc.hf.encode import frame_seqlens
+
+        positions = get_vision_position_ids(grid_thw, self.spatial_merge)
+        return {
+            "position_ids": positions[rows.to(positions.device)],
+            "cu_seqlens": frame_seqlens(grid_thw, kept, self.spatial_merge),
+        }
 
     def video_spans(self, captured: CapturedInputs) -> list[VideoSpan]:
         # each contiguous run is one video (contiguous_spans checks the counts against the grids)

@@ -28,7 +28,7 @@ FAMILY = Family(
     frame_rule="round",
     media_kwargs=QWEN_MEDIA_KWARGS,
     vision_stats=QWEN_VISION_STATS,
-    features=frozenset({"mrope", "merge_units", "deepstack", "timestamps", "frame_text", "streaming"}),
+    features=frozenset({"mrope", "merge_units", "encode_units", "deepstack", "timestamps", "frame_text", "streaming"}),
     tiny="vtc.testing.tiny:build_qwen3_vl",
 )
 
@@ -39,6 +39,25 @@ class Qwen3VLAdapter(Qwen2VLAdapter):
     family = FAMILY.name
     class_names = FAMILY.model_classes
     deepstack = True
+
+    video_processor_class = "Qwen3VLVideoProcessor"
+
+    def survivor_tower_inputs(self, grid_thw, kept, rows) -> dict:
+        """As Qwen2-VL's, plus the survivors' rows of the learned position embedding's interpolation (its DeepStack
+        taps then run on the survivors too)."""
+        from transformers.vision_utils import get_vision_interpolation_indices_and_weights
+
+        visual = self.vision_tower
+        indices, weights = get_vision_interpolation_indices_and_weights(
+            grid_thw,
+            num_grid_per_side=visual.num_grid_per_side,
+            mode=visual.interpolation_mode,
+            align_corners=visual.interpolation_align_corners,
+            spatial_merge_size=visual.config.spatial_merge_size,
+        )
+        at = rows.to(indices.device)
+        extra = {"interp_indices": indices[at], "interp_weights": weights[at]}
+        return {**super().survivor_tower_inputs(grid_thw, kept, rows), **extra}
 
     def _segments_per_video(self, captured: CapturedInputs) -> list[list[tuple[int, int, int]]] | None:
         """Group the per-frame segments into videos using each video's token count (generate path)."""

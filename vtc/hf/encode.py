@@ -1,0 +1,189 @@
+"""The encode stage on the HF backend: a pipeline's encode methods choose each video's surviving merge units, and the
+vision tower runs on those alone.
+
+`EncodeStage` sets one instance attribute, `get_video_features`, on the outer multimodal model (the method its
+forward and `generate` call to encode videos; images keep the model's own path); `remove` deletes it. For every call
+it builds each video's `VideoPatches`, runs `Pipeline.run_encode`, and, where units were dropped, calls the tower
+with the survivors' rows of `pixel_values_videos` and the tower inputs transformers lets a caller precompute
+(`transformers.vision_utils`): the survivors' 2-D rotary rows, one attention segment per temporal patch (their
+lengths shrunk; an emptied one is left out), Qwen2.5-VL's window order and window lengths restricted to the
+survivors, Qwen3-VL's position-embedding interpolation rows. The merger gets complete units. The tower's output is
+scattered back onto the whole grid (dropped units are zero rows, with DeepStack features alike), so the model's own
+placeholder check and scatter still hold; the text-model hook of `vtc.hf.patching` then keeps only the survivors
+(`survivors(k)`), each at its original (t, h, w).
+
+This is the official PixelPrune hook (`_vision_forward`: patch embedding, rotary and position embeddings gathered by
+the kept indices, `cu_seqlens` from the kept counts), done through transformers' precomputed-input keywords instead
+of a replaced forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from vtc.core.patches import VideoPatches
+from vtc.core.pipeline import Pipeline
+from vtc.core.stats import StatsRecorder
+from vtc.core.tokens import Context
+
+Tensor = torch.Tensor
+
+
+@dataclasses.dataclass
+class EncodedVideo:
+    """What the encode stage did to one video of the last encoding call."""
+
+    grid: tuple[int, int, int]  # token grid (T, H, W)
+    kept: Tensor  # surviving units on the grid, ascending
+    records: list[tuple]  # (method, units in, units out, seconds, reports) per encode method
+
+
+def survivor_rows(kept: list[Tensor], units_per_video: list[int], unit: int) -> Tensor:
+    """Rows of the concatenated `pixel_values_videos` holding the surviving units' patches."""
+    rows, offset = [], 0
+    for k, n in zip(kept, units_per_video):
+        rows.append((offset + k[:, None]) * unit + torch.arange(unit, device=k.device))
+        offset += n
+    return torch.cat(rows).flatten()
+
+
+def frame_seqlens(grid_thw: Tensor, kept: list[Tensor], merge: int) -> Tensor:
+    """`cu_seqlens` of the survivors: one attention segment per temporal patch of every video (Qwen's per-frame
+    attention), holding its surviving patches; a temporal patch with no survivor has no segment."""
+    lengths = []
+    unit = merge * merge
+    for (t, h, w), k in zip(grid_thw.tolist(), kept):
+        per_frame = (h // merge) * (w // merge)
+        lengths.append(torch.bincount(k // per_frame, minlength=int(t)) * unit)
+    lengths = torch.cat(lengths)
+    lengths = lengths[lengths > 0]
+    return F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0)).to(grid_thw.device)
+
+
+def window_kwargs(grid_thw: Tensor, kept: list[Tensor], vision_config) -> dict[str, Tensor]:
+    """Qwen2.5-VL's window attention restricted to the survivors: `window_index` (window order of the survivors'
+    units, numbered among the survivors) and `cu_window_seqlens` (each window's surviving patches; an emptied window
+    has no segment)."""
+    from transformers.vision_utils import get_vision_window_index
+
+    merge = int(vision_config.spatial_merge_size)
+    index, cu_windows = get_vision_window_index(
+        grid_thw, merge, int(vision_config.window_size), int(vision_config.patch_size)
+    )
+    index = index.to(grid_thw.device)
+    units_per_video = [int(t) * (int(h) // merge) * (int(w) // merge) for t, h, w in grid_thw.tolist()]
+    offsets = torch.tensor([0, *units_per_video[:-1]], device=grid_thw.device).cumsum(0)
+    flat_kept = torch.cat([k.to(grid_thw.device) + o for k, o in zip(kept, offsets)])
+    rank = torch.full((sum(units_per_video),), -1, dtype=torch.long, device=grid_thw.device)
+    rank[flat_kept] = torch.arange(flat_kept.numel(), device=grid_thw.device)
+    unit = merge * merge
+    bounds = cu_windows.to(grid_thw.device).long() // unit  # window boundaries in window-order slots
+    window_of_slot = torch.bucketize(torch.arange(index.numel(), device=grid_thw.device), bounds[1:], right=True)
+    alive = rank[index] >= 0
+    lengths = torch.bincount(window_of_slot[alive], minlength=bounds.numel() - 1) * unit
+    lengths = lengths[lengths > 0]
+    return {
+        "window_index": rank[index][alive],
+        "cu_window_seqlens": F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0)),
+    }
+
+
+def scatter_units(values: Tensor, kept: list[Tensor], units_per_video: list[int]) -> tuple[Tensor, ...]:
+    """Per video [units, D]: the survivors' rows of `values` [sum kept, D] at their units, zeros elsewhere."""
+    out, start = [], 0
+    for k, n in zip(kept, units_per_video):
+        full = values.new_zeros(n, values.shape[-1])
+        full[k.to(values.device)] = values[start : start + k.numel()]
+        out.append(full)
+        start += k.numel()
+    return tuple(out)
+
+
+def pixel_normalization(adapter, processor: Any = None) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """(mean, std) per channel with which the processor normalised the video pixels: those of the processor passed
+    to `vtc.patch` (its video processor), else the defaults of the family's video processor class."""
+    video_processor = getattr(processor, "video_processor", None)
+    if video_processor is None:
+        import transformers
+
+        video_processor = getattr(transformers, adapter.video_processor_class)
+    mean, std = video_processor.image_mean, video_processor.image_std
+    return tuple(float(m) for m in mean), tuple(float(s) for s in std)
+
+
+class EncodeStage:
+    """Runs `pipeline`'s encode methods inside `adapter.model`'s video encoding (see the module docstring)."""
+
+    def __init__(
+        self,
+        adapter,
+        pipeline: Pipeline,
+        mean: tuple[float, ...],
+        std: tuple[float, ...],
+        recorder: StatsRecorder | None = None,
+    ) -> None:
+        self.adapter = adapter
+        self.pipeline = pipeline
+        self.mean, self.std = tuple(mean), tuple(std)
+        self.recorder = recorder
+        self.enabled = True
+        self.encoded: list[EncodedVideo] | None = None  # the last encoding call's videos, until the prefill takes them
+        self._original = None
+
+    def install(self) -> None:
+        outer = self.adapter.outer
+        self._original = outer.get_video_features
+        outer.get_video_features = self._get_video_features  # an instance attribute: other models are untouched
+
+    def remove(self) -> None:
+        outer = self.adapter.outer
+        if outer.__dict__.get("get_video_features") == self._get_video_features:
+            del outer.__dict__["get_video_features"]
+        self.encoded = None
+
+    def take(self) -> list[EncodedVideo] | None:
+        """The videos of the last encoding call (once: a later prompt must encode its own)."""
+        encoded, self.encoded = self.encoded, None
+        return encoded
+
+    # --- the wrapped call -------------------------------------------------------------------------------------
+    def _get_video_features(self, pixel_values_videos: Tensor, video_grid_thw: Tensor | None = None, **kwargs: Any):
+        if not self.enabled or video_grid_thw is None:
+            return self._original(pixel_values_videos, video_grid_thw, **kwargs)
+        adapter = self.adapter
+        vision = adapter.model.config.vision_config
+        merge = int(vision.spatial_merge_size)
+        patch_shape = (int(vision.in_channels), int(vision.temporal_patch_size), int(vision.patch_size)) + (
+            int(vision.patch_size),
+        )
+        sizes = video_grid_thw.prod(-1).tolist()
+        ctx = Context(retention=self.pipeline.retention, family=adapter.family, geometry=adapter.geometry)
+        encoded: list[EncodedVideo] = []
+        for k, (rows, grid_thw) in enumerate(zip(torch.split(pixel_values_videos, sizes), video_grid_thw.tolist())):
+            patches = VideoPatches.from_rows(rows, grid_thw, merge, patch_shape, self.mean, self.std)
+            out, records = self.pipeline.run_encode(patches, ctx.replace(video_index=k))
+            encoded.append(EncodedVideo(patches.grid, out.kept, records))
+        self.encoded = encoded
+        if all(len(e.kept) == e.grid[0] * e.grid[1] * e.grid[2] for e in encoded):
+            return self._original(pixel_values_videos, video_grid_thw, **kwargs)
+        return self._encode_survivors(pixel_values_videos, video_grid_thw, [e.kept for e in encoded], kwargs)
+
+    def _encode_survivors(self, pixels: Tensor, grid_thw: Tensor, kept: list[Tensor], kwargs: dict[str, Any]):
+        """The tower on the survivors' rows, its outputs scattered back onto every video's whole grid."""
+        adapter = self.adapter
+        visual = adapter.vision_tower
+        merge = int(adapter.model.config.vision_config.spatial_merge_size)
+        units = [int(t) * (int(h) // merge) * (int(w) // merge) for t, h, w in grid_thw.tolist()]
+        rows = survivor_rows(kept, units, merge * merge).to(pixels.device)
+        inputs = adapter.survivor_tower_inputs(grid_thw, kept, rows)
+        return_dict = kwargs.pop("return_dict", True)  # the wrapped method's `can_return_tuple` contract
+        kwargs = {**kwargs, **inputs, "return_dict": True}
+        output = visual(pixels[rows].type(visual.dtype), grid_thw=grid_thw, **kwargs)
+        output.pooler_output = scatter_units(output.pooler_output, kept, units)
+        if getattr(output, "deepstack_features", None) is not None:
+            output.deepstack_features = [scatter_units(f, kept, units) for f in output.deepstack_features]
+        return output if return_dict else output.to_tuple()
