@@ -231,3 +231,23 @@ def test_refusals_name_the_problem():
 
     with pytest.raises(ValueError, match="encode stage"):
         ServeConfig.from_dict({"methods": "pixelprune", "retention": 0.5}).check_methods()
+
+
+@vtc.method("t_random_units", paper="test")
+class RandomUnits(vtc.PatchSelector):
+    """A seeded random subset of the units (ctx.generator)."""
+
+    def choose(self, patches, count, ctx):
+        return torch.randperm(len(patches), generator=ctx.generator)[:count]
+
+
+def test_encode_methods_get_a_generator_seeded_per_video():
+    model, _ = model_and_processor("qwen2_vl")
+    inputs = single_inputs("qwen2_vl")
+    runs = []
+    for seed in (0, 0, 1):
+        embeds, _, handle = llm_inputs(model, inputs, RandomUnits(), retention=0.5, seed=seed)
+        stats = handle.stats()
+        assert stats.llm_tokens_in == round(0.5 * stats.visual_tokens_in)
+        runs.append(embeds)
+    assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])

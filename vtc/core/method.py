@@ -205,7 +205,8 @@ class Method:
         runs on the survivors alone, and each reaches the LLM as the token of its original (t, h, w) cell.
 
         patches: `vtc.core.patches.VideoPatches` (what earlier encode methods left; `values()` de-normalises the
-        pixels); ctx: question, family, geometry, `state`, `report`. Return `patches` itself to keep everything.
+        pixels); ctx: family, geometry, retention, a seeded `generator`, `state`, `report` (not the question: the
+        tower runs before vtc reads the prompt). Return `patches` itself to keep everything.
         vtc checks the result: at least one unit, and exactly `retained_count(...)` units when the method promises
         a count. Runs on the families offering `encode_units` (the Qwen towers), on the HF backend; merging
         between the tower's blocks is not offered yet.

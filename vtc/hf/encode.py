@@ -27,7 +27,6 @@ import torch.nn.functional as F
 
 from vtc.core.patches import VideoPatches
 from vtc.core.pipeline import Pipeline
-from vtc.core.stats import StatsRecorder
 from vtc.core.tokens import Context
 
 Tensor = torch.Tensor
@@ -124,12 +123,12 @@ class EncodeStage:
         pipeline: Pipeline,
         mean: tuple[float, ...],
         std: tuple[float, ...],
-        recorder: StatsRecorder | None = None,
+        seed: int = 0,
     ) -> None:
         self.adapter = adapter
         self.pipeline = pipeline
         self.mean, self.std = tuple(mean), tuple(std)
-        self.recorder = recorder
+        self.seed = seed
         self.enabled = True
         self.encoded: list[EncodedVideo] | None = None  # the last encoding call's videos, until the prefill takes them
         self._original = None
@@ -165,7 +164,8 @@ class EncodeStage:
         encoded: list[EncodedVideo] = []
         for k, (rows, grid_thw) in enumerate(zip(torch.split(pixel_values_videos, sizes), video_grid_thw.tolist())):
             patches = VideoPatches.from_rows(rows, grid_thw, merge, patch_shape, self.mean, self.std)
-            out, records = self.pipeline.run_encode(patches, ctx.replace(video_index=k))
+            generator = torch.Generator(device="cpu").manual_seed(self.seed)  # afresh per video, as for connect
+            out, records = self.pipeline.run_encode(patches, ctx.replace(video_index=k, generator=generator))
             encoded.append(EncodedVideo(patches.grid, out.kept, records))
         self.encoded = encoded
         if all(len(e.kept) == e.grid[0] * e.grid[1] * e.grid[2] for e in encoded):

@@ -166,7 +166,7 @@ class ModelPatch:
             self.vision.install()
         if self.pipeline.has_stage("encode"):
             mean, std = pixel_normalization(adapter, self.processor)
-            self.encode = EncodeStage(adapter, self.pipeline, mean, std)
+            self.encode = EncodeStage(adapter, self.pipeline, mean, std, seed=self.seed)
             self.encode.install()
         if self.pipeline.needs_prepool:
             self.prepool = adapter.prepool_capture()
