@@ -8,6 +8,8 @@ M-RoPE (t, h, w); unpatch leaves nothing; what cannot be combined is refused wit
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import pytest
 import torch
 
@@ -251,3 +253,33 @@ def test_encode_methods_get_a_generator_seeded_per_video():
         assert stats.llm_tokens_in == round(0.5 * stats.visual_tokens_in)
         runs.append(embeds)
     assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
+
+
+@vtc.method("t_state_probe", paper="test")
+class StateProbe(vtc.PatchSelector):
+    """Keeps everything; records the ctx.state it finds in encode and connect, and writes to it in encode."""
+
+    seen: ClassVar[list] = []
+
+    def retained_count(self, num_tokens, grid, family):
+        return None
+
+    def choose(self, patches, count, ctx):
+        StateProbe.seen.append(("encode", dict(ctx.state)))
+        ctx.state["encoded"] = ctx.state.get("encoded", 0) + 1
+        return torch.arange(len(patches))
+
+    def connect(self, tokens, ctx):
+        StateProbe.seen.append(("connect", dict(ctx.state)))
+        return tokens
+
+
+def test_encode_state_is_fresh_per_prompt_and_reaches_connect():
+    model, _ = model_and_processor("qwen2_vl")
+    inputs = single_inputs("qwen2_vl")
+    StateProbe.seen.clear()
+    with vtc.patch(model, StateProbe()):
+        for _ in range(2):
+            with torch.no_grad():
+                model(**inputs)
+    assert StateProbe.seen == [("encode", {}), ("connect", {"encoded": 1})] * 2

@@ -161,6 +161,7 @@ class EncodeStage:
         )
         sizes = video_grid_thw.prod(-1).tolist()
         ctx = Context(retention=self.pipeline.retention, family=adapter.family, geometry=adapter.geometry)
+        self.pipeline.begin_prompt()  # the prompt's processing starts here: its methods' ctx.state starts empty
         encoded: list[EncodedVideo] = []
         for k, (rows, grid_thw) in enumerate(zip(torch.split(pixel_values_videos, sizes), video_grid_thw.tolist())):
             patches = VideoPatches.from_rows(rows, grid_thw, merge, patch_shape, self.mean, self.std)

@@ -362,7 +362,8 @@ class ModelPatch:
         encoded = self._encoded_videos(spans)
         vision = self.vision.video_stats(spans) if self.vision is not None else [{} for _ in spans]
         prepool = self.prepool.per_video([s.grid[0] for s in spans]) if self.prepool is not None else None
-        self.pipeline.begin_prompt()  # every method's ctx.state starts empty for this prompt
+        if encoded is None:  # with encode methods the prompt began in the tower call (their state carries on)
+            self.pipeline.begin_prompt()  # every method's ctx.state starts empty for this prompt
         outputs = []
         changed = False
         for k, span in enumerate(spans):
