@@ -286,6 +286,7 @@ PROCESSOR_USES = (
     Use("_get_hf_mm_inputs", ALL, args=2),
     Use("_get_mm_fields_config", ALL, args=2),
     Use("_get_prompt_updates", ALL, args=3),
+    Use("_postprocess_hf_mm_data", ALL, args=3),  # the encode stage runs on the processor's pixels (vtc.vllm.encode)
     Use(
         "get_video_repl",
         ("qwen3_vl",),
@@ -471,6 +472,8 @@ def check_internals() -> None:
         check_encoder_attention()
     with guarded("c. ProcessorInputs"):
         check_processor_inputs()
+    with guarded("c. Qwen vision towers (encode stage)"):
+        check_tower_forwards()
     for path, how in INTERNALS:
         with guarded(f"c. {path}"):
             obj = resolve(path)
@@ -489,6 +492,25 @@ def check_encoder_attention() -> None:
     init = inspect.signature(cls.__init__).parameters
     ok = all(params == order for params in forwards.values()) and {"num_heads", "num_kv_heads", "scale"} <= set(init)
     expect("c. MMEncoderAttention", ok, f"forward_* take {order}; __init__{inspect.signature(cls.__init__)}")
+
+
+def check_tower_forwards() -> None:
+    """vtc.vllm.encode runs the Qwen towers on the survivors of an encode method with precomputed inputs:
+    `forward(x, grid_thw, encoder_metadata=...)`, the metadata keys it fills in (as the towers' own
+    `prepare_encoder_metadata` does) read by `forward`."""
+    towers = {
+        "qwen2_vl:Qwen2VisionTransformer": ("rotary_pos_emb_cos", "cu_seqlens", "max_seqlen"),
+        "qwen2_5_vl:Qwen2_5_VisionTransformer": ("window_index", "reverse_indices", "cu_window_seqlens"),
+        "qwen3_vl:Qwen3_VisionTransformer": ("pos_embeds", "cu_seqlens", "max_seqlen", "sequence_lengths"),
+    }
+    problems = []
+    for path, keys in towers.items():
+        cls = resolve(f"vllm.model_executor.models.{path}")
+        if "encoder_metadata" not in inspect.signature(cls.forward).parameters:
+            problems.append(f"{cls.__name__}.forward takes no encoder_metadata")
+        source = inspect.getsource(cls.forward)
+        problems += [f"{cls.__name__}.forward does not read {k!r}" for k in keys if f'"{k}"' not in source]
+    expect("c. Qwen vision towers (encode stage)", not problems, "; ".join(problems) or "encoder_metadata forwards")
 
 
 def check_processor_inputs() -> None:
@@ -522,6 +544,20 @@ INTERNALS = (
     ("vllm.multimodal.parse:MultiModalDataItems.get_count", "models._VtcProcessor (strict=False)"),
     ("vllm.multimodal.parse:VideoProcessorItems.get_num_frames", "models._LlavaProcessor"),
     ("vllm.logger:init_logger", "models.py"),
+    ("vllm.model_executor.layers.attention:MMEncoderAttention.maybe_compute_seq_lens", "encode._segments"),
+    ("vllm.model_executor.layers.attention:MMEncoderAttention.compute_max_seqlen", "encode._segments"),
+    ("vllm.model_executor.layers.attention:MMEncoderAttention.maybe_recompute_cu_seqlens", "encode._segments"),
+    (
+        "vllm.model_executor.models.qwen2_vl:Qwen2VisionTransformer.prepare_encoder_metadata",
+        "encode.survivor_metadata",
+    ),
+    ("vllm.model_executor.models.qwen2_vl:Qwen2VisionTransformer.compute_attn_mask_seqlen", "encode.survivor_metadata"),
+    ("vllm.model_executor.models.qwen2_5_vl:Qwen2_5_VisionTransformer.get_rope_by_thw", "encode._windowed_metadata"),
+    ("vllm.model_executor.models.qwen2_5_vl:Qwen2_5_VisionTransformer.invert_permutation", "encode._windowed_metadata"),
+    (
+        "vllm.model_executor.models.qwen3_vl:Qwen3_VisionTransformer.prepare_encoder_metadata",
+        "encode.survivor_metadata",
+    ),
     ("vllm.distributed.parallel_state:destroy_model_parallel", "engine.shutdown"),
     ("vllm.distributed.parallel_state:destroy_distributed_environment", "engine.shutdown"),
     ("vllm:LLM.apply_model", "testing.serving, lmms_eval backend"),

@@ -229,10 +229,6 @@ def test_refusals_name_the_problem():
     assert vtc.registry()["holitom"].card.whole_frames
     with pytest.raises(ValueError, match="needs whole frames"):
         vtc.core.pipeline.Pipeline([KeepTemporalPatches(), vtc.registry()["holitom"]()], retention=0.5)
-    from vtc.vllm.config import ServeConfig
-
-    with pytest.raises(ValueError, match="encode stage"):
-        ServeConfig.from_dict({"methods": "pixelprune", "retention": 0.5}).check_methods()
 
 
 @vtc.method("t_random_units", paper="test")

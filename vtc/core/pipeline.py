@@ -302,10 +302,17 @@ class Pipeline:
             raise TypeError(f"method {e.card.name!r}: retained_count must return an int >= 0 or None, got {count!r}")
         return count
 
-    def retained_count(self, grid: tuple[int, int, int], family: str | None = None) -> int | None:
+    def retained_count(
+        self, grid: tuple[int, int, int], family: str | None = None, encoded: int | None = None
+    ) -> int | None:
         """Visual tokens the LLM keeps for a video with token grid `grid` = (T, H, W): the count at the last LLM
         layer when a method acts in the LLM, else the count entering it. None when a method decides from the
-        content. A pure function of (family, grid, parameters): `family` defaults to the bound one."""
+        content. A pure function of (family, grid, parameters): `family` defaults to the bound one.
+
+        `encoded`: the units the encode stage actually kept of this video, when its methods already ran on the
+        pixels (a serving engine runs them in its prompt processor, before it sizes the prompt). It replaces the
+        counts of the encode-only methods, adaptive ones included, and the methods after them count from it; the
+        result is then None only when a later method decides from the content."""
         t, h, w = validate_grid(grid)
         family = family or self.family
         if family is None:
@@ -313,6 +320,8 @@ class Pipeline:
                 "retained_count depends on the model family: bind one with Pipeline(spec, family=...) "
                 f"or pass family=...; families: {', '.join(family_names())}"
             )
+        if encoded is not None and not 0 <= encoded <= t * h * w:
+            raise ValueError(f"encoded must be a unit count in [0, {t * h * w}] for grid {grid}, got {encoded}")
         count: int | None = t * h * w
         in_llm = None  # a method whose count is a last-layer count: nothing may reduce after its connect stage
         for e in self.entries:
@@ -320,6 +329,9 @@ class Pipeline:
                 continue
             if in_llm is not None and "connect" in e.card.stages:
                 return None  # e thins what in_llm's connect stage left, before in_llm acts in the LLM
+            if encoded is not None and e.card.stages == ("encode",):
+                count = encoded  # what the encode stage kept, whatever each of its methods promised
+                continue
             count = self._method_count(e, count, (t, h, w), family)
             if count is None:
                 return None

@@ -3,17 +3,23 @@
 A served model must fix each video's placeholder count when the prompt is processed, before any pixel is
 encoded, and vLLM caches encoder outputs per video, across requests and questions. So a method serves only if
 it acts in the `connect` stage, its count is a pure function of the video's grid (`retained_count`), and it does
-not read the question. `ServeConfig.pipeline(family)` builds the pipeline the server runs and refuses anything
-else with a message naming the serving-capable methods. No vLLM import here: the CLI checks a config with it
-before it starts vLLM.
+not read the question; or if it chooses each video's merge units before the vision tower (an encode-stage
+`PatchSelector`, on the Qwen families), which the prompt processor runs on the pixels, so the prompt is sized from
+what it kept (`vtc.vllm.encode`). `ServeConfig.pipeline(family)` builds the pipeline the server runs and refuses
+anything else with a message naming the serving-capable methods. No vLLM import here: the CLI checks a config
+with it before it starts vLLM.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Any
 
+from vtc.core.bases import PatchSelector
+from vtc.core.families import get_family
+from vtc.core.method import MethodCard
 from vtc.core.pipeline import Pipeline, parse_spec, validate_retention
 from vtc.core.registry import registry
 
@@ -74,9 +80,33 @@ def servable_samplers() -> list[str]:
     )
 
 
-def _allowed() -> str:
-    """The methods and samplers a server runs, for error messages."""
-    return f"{', '.join(servable_methods())}; frame samplers (before one of them): {', '.join(servable_samplers())}"
+def servable_encoders() -> list[str]:
+    """Installed encode-stage methods a server can run: those that choose each video's merge units before the vision
+    tower (`PatchSelector`). The prompt processor runs them on the pixels, so their count may depend on the content.
+    (A method acting between the tower's blocks is not one: vLLM's towers are not hooked there.)"""
+    return sorted(card.name for card in registry().cards() if _chooses_patches(card))
+
+
+def _chooses_patches(card: MethodCard) -> bool:
+    return card.stages == ("encode",) and issubclass(card.cls, PatchSelector) and not card.stream_only
+
+
+def encode_families(card: MethodCard) -> list[str]:
+    """The served families an encode-stage method runs on (those whose tower offers what it requires: the Qwen
+    towers' merge units)."""
+    return [f for f in dict.fromkeys(ARCHITECTURES.values()) if not get_family(f).missing(card.cls.requires)]
+
+
+def _allowed(family: str | None = None) -> str:
+    """The methods and samplers a server runs (on `family`; None: on some family), for error messages."""
+    out = f"{', '.join(servable_methods())}; frame samplers (before one of them): {', '.join(servable_samplers())}"
+    cards = [registry()[name].card for name in servable_encoders()]
+    encoders = [c for c in cards if family is None or family in encode_families(c)]
+    if encoders:
+        where = ", ".join(encode_families(encoders[0])) if family is None else family
+        names = ", ".join(c.name for c in encoders)
+        out += f"; encode-stage methods (alone or before one of the methods above, on {where}): {names}"
+    return out
 
 
 def _has_field(params_cls: type, name: str) -> bool:
@@ -186,12 +216,16 @@ class ServeConfig:
         allowed = _allowed()
         for name in parse_spec(self.methods):
             info = methods[name].card  # raises naming the installed methods
-            if "encode" in info.stages:
+            if "encode" in info.stages and not issubclass(info.cls, PatchSelector):
                 raise ValueError(
-                    f"{name} acts in the encode stage (on the patches before the vision tower), which vtc runs on "
-                    "the HF backend only so far: vLLM encodes with its own tower implementations, which vtc does not "
-                    f"hook yet; methods the server runs: {allowed}"
+                    f"{name} acts in the encode stage but does not choose patches before the vision tower (it is no "
+                    "PatchSelector: it works inside the tower, between its blocks), which vtc runs on the HF backend "
+                    "only: vLLM encodes with its own tower implementations, whose blocks vtc does not hook; "
+                    f"encode-stage methods the server runs: {', '.join(servable_encoders())}; methods the server "
+                    f"runs: {allowed}"
                 )
+            if info.stages == ("encode",):
+                continue  # the family is checked in `pipeline`: only the Qwen towers have merge units
             if "sample" in info.stages and name not in servable_samplers():
                 part = SAMPLER_PARTS.get(name)
                 hint = f"serve its frame choice alone as {part!r}, or" if part else "or"
@@ -242,6 +276,7 @@ class ServeConfig:
         """The pipeline a server of `family` runs (`serving_params`), bound to the family; refuses what cannot
         serve."""
         params = self.serving_params()
+        self._check_encode_family(family)
         pipeline = Pipeline(self.methods, self.retention, params, family=family)
         for entry in pipeline.stage_entries("sample"):
             fix = entry.method.host_model_use()
@@ -250,12 +285,28 @@ class ServeConfig:
                     f"{entry.card.name} asks the served model itself with these parameters, which vLLM's prompt "
                     f"processor (where the server chooses frames) cannot call; {fix}"
                 )
-        if pipeline.retained_count(_PROBE_GRID) is None:
+        # an encode method's count is known once the prompt processor ran it on the pixels: probe with one
+        encoded = math.prod(_PROBE_GRID) // 2 if pipeline.has_stage("encode") else None
+        if pipeline.retained_count(_PROBE_GRID, encoded=encoded) is None:
             raise ValueError(
                 f"{self.methods!r} does not fix its token count from the video's grid alone on {family} (with these "
                 "parameters), which vLLM needs to size the prompt; methods the server runs: " + _allowed()
             )
         return pipeline
+
+    def _check_encode_family(self, family: str) -> None:
+        """Encode-stage methods drop merge units, which only the Qwen towers have: refuse them elsewhere, naming what
+        a server of `family` runs."""
+        for name in parse_spec(self.methods):
+            card = registry()[name].card
+            if "encode" not in card.stages or family in encode_families(card):
+                continue
+            missing = ", ".join(get_family(family).missing(card.cls.requires))
+            raise ValueError(
+                f"{name} drops merge units (each 2x2 block of patches that becomes one LLM token) before the vision "
+                f"tower, but {family}'s tower has none (it lacks {missing}); {name} serves on "
+                f"{', '.join(encode_families(card))}; methods a {family} server runs: {_allowed(family)}"
+            )
 
 
 def request_question(settings: Any) -> str | None:

@@ -9,15 +9,17 @@ one (`additional_config={"vtc": {...}}`):
       request's own settings when it sends some (`mm_processor_kwargs={"vtc": {...}}`, checked here: a value
       the server does not allow is an HTTP 400), which travel to the model with the video (`vtc_settings`);
       LLaVA-OneVision keeps its newline, Qwen3-VL reserves the whole per-video span (timestamps included), as
-      vLLM's own pruning lays it out;
-  model (each worker): the vision encoder runs as usual (statistics captured if a method asks), then
-      `vtc.core.engine.connect_video` compresses each video. The survivors go back frame by frame, in the order
-      vtc's HF backend uses; on the Qwen families every image and video also carries its slots' stock M-RoPE
-      positions (`vtc.vllm.positions`, vtc's own position computation, which places several videos, images and
-      chunked prefills right).
+      vLLM's own pruning lays it out. Encode-stage methods (Qwen) run here, on the processor's pixels: the kept
+      merge units travel with the video too (`vtc_kept`), and the count starts from them (`vtc.vllm.encode`);
+  model (each worker): the vision encoder runs as usual (statistics captured if a method asks; on the survivors'
+      patches alone after an encode method), then `vtc.core.engine.connect_video` compresses each video. The
+      survivors go back frame by frame, in the order vtc's HF backend uses; on the Qwen families every image and
+      video also carries its slots' stock M-RoPE positions (`vtc.vllm.positions`, vtc's own position computation,
+      which places several videos, images and chunked prefills right).
 
 The encoder cache therefore holds media-only results: nothing here reads the question. vLLM keys the encoder and
-processor caches on the request's `mm_processor_kwargs` too, so per-request settings never share an entry.
+processor caches on the request's `mm_processor_kwargs` too, so per-request settings never share an entry (the
+encode stage's kept units are part of the processed item, so they are cached with it, under the same key).
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ from vtc.core.pipeline import Pipeline
 from vtc.core.tokens import Context
 from vtc.hf.prepool import PrepoolCapture
 from vtc.vllm.config import CONFIG_ATTR, KEY, ServeConfig, request_question, without_question
+from vtc.vllm.encode import KEPT_FIELD, choose_units, encode_survivors, encoded_count
 from vtc.vllm.positions import (
     MediaSpan,
     append_positions,
@@ -144,7 +147,8 @@ def _geometry(family: str, hf_config) -> FamilyGeometry:
 
 class Serving:
     """One served model's compression: the configs its videos run with, the vision statistics they read, the
-    connect engine call. `begin_call` takes the settings of the videos one `embed_multimodal` call encodes."""
+    connect engine call. `begin_call` takes the settings of the videos one `embed_multimodal` call encodes, and the
+    merge units the prompt processor's encode stage kept of each."""
 
     def __init__(self, model: torch.nn.Module, family: str, config: ServeConfig) -> None:
         self.family = family
@@ -159,6 +163,7 @@ class Serving:
         self._captures: dict[frozenset, EncoderStatsCapture] = {}
         self._prepool_capture: PrepoolCapture | None = None
         self._configs: list[ServeConfig] = []
+        self._kept: list[Tensor | None] = []
         self._vision: list[dict] = []
         self._prepool: list[Tensor] | None = None
         if self.encodes:
@@ -191,13 +196,29 @@ class Serving:
             )
         return self._captures[stats]
 
-    def begin_call(self, settings: Any) -> None:
-        """The settings of each video of this `embed_multimodal` call (`vtc_settings`; absent: the server's)."""
+    def begin_call(self, settings: Any, kept: Any = None) -> None:
+        """The settings of each video of this `embed_multimodal` call (`vtc_settings`; absent: the server's) and the
+        merge units its encode stage kept (`vtc_kept`, ascending; absent: every unit, as in vLLM's profiling)."""
         rows = [] if settings is None else list(settings)
         self._configs = [request_config(self.config, decode_settings(row)) for row in rows]
+        self._kept = [] if kept is None else [torch.as_tensor(k, dtype=torch.long).flatten().cpu() for k in kept]
 
     def config_of(self, index: int) -> ServeConfig:
         return self._configs[index] if index < len(self._configs) else self.config
+
+    def kept_of(self, index: int, grid: tuple[int, int, int]) -> Tensor | None:
+        """The units video `index` of this call keeps before the tower; None when it keeps all of them."""
+        kept = self._kept[index] if index < len(self._kept) else None
+        return None if kept is None or kept.numel() == grid[0] * grid[1] * grid[2] else kept
+
+    def encode_run(self, run, visual, pixels: Tensor, grid_thw: Tensor, grids: list[tuple[int, int, int]]):
+        """The tower call of these videos: `run` (vLLM's own) when every unit of every video survived the encode
+        stage (bit for bit stock), else vLLM's tower on the survivors' patches alone (`vtc.vllm.encode`)."""
+        kept = [self.kept_of(k, grid) for k, grid in enumerate(grids)]
+        if all(k is None for k in kept):
+            return run
+        kept = [torch.arange(g[0] * g[1] * g[2]) if k is None else k for k, g in zip(kept, grids)]
+        return functools.partial(encode_survivors, visual, self.family, pixels, grid_thw, kept)
 
     def encode(self, run, grids: list[tuple[int, int, int]], grid_thw: Tensor | None = None):
         """Run the vision encoder (`run()`), capturing what the connect methods of these videos read."""
@@ -241,7 +262,8 @@ class Serving:
         timestamps: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         """Video `index` of this call through the connect engine -> (embeds, grid cells, extras) of the survivors:
-        frames in order, each frame's tokens in the order the methods returned them (as vtc's HF backend)."""
+        frames in order, each frame's tokens in the order the methods returned them (as vtc's HF backend). `embeds`
+        cover the whole grid; after an encode stage the connect methods see only the units it kept."""
         config = self.config_of(index)
         pipeline = config_pipeline(config, self.family)
         ctx = Context(
@@ -256,8 +278,9 @@ class Serving:
             capture = self._prepool_of()
             ctx = ctx.replace(prepool=self._prepool[index], pool=capture.pool, project=capture.projection)
         pipeline.begin_prompt()
-        _, out = connect_video(pipeline, embeds, grid, ctx, extras=extras, timestamps=timestamps)
-        promised = pipeline.retained_count(grid)
+        survivors = self.kept_of(index, grid)
+        _, out = connect_video(pipeline, embeds, grid, ctx, extras=extras, timestamps=timestamps, survivors=survivors)
+        promised = pipeline.retained_count(grid, encoded=encoded_count(pipeline, survivors, grid))
         if promised is not None and promised != len(out):
             raise RuntimeError(
                 f"vtc: {pipeline.spec!r} promised {promised} tokens for a video with grid {grid} but kept "
@@ -274,6 +297,7 @@ class Serving:
                 "grid": grid,
                 "cells": torch.sort(cells).values.cpu(),
                 "retention": config.retention,
+                "encoded": None if survivors is None else len(survivors),  # units left by the encode stage
             }
         )
         del LAST_KEPT[:-64]
@@ -406,9 +430,54 @@ class _VtcProcessor:
 
     def _get_mm_fields_config(self, hf_inputs, hf_processor_mm_kwargs):
         fields = dict(super()._get_mm_fields_config(hf_inputs, _without_vtc(hf_processor_mm_kwargs)))
-        if SETTINGS_FIELD in hf_inputs:
-            fields[SETTINGS_FIELD] = MultiModalFieldConfig.batched("video", keep_on_cpu=True)
+        for name in (SETTINGS_FIELD, KEPT_FIELD):
+            if name in hf_inputs:
+                fields[name] = MultiModalFieldConfig.batched("video", keep_on_cpu=True)
         return fields
+
+    # --- the encode stage (vtc.vllm.encode) ---------------------------------------------------------------------
+    def _postprocess_hf_mm_data(self, mm_inputs, hf_processor_mm_kwargs, processed_data):
+        """Run the encode methods on each video's pixels, once the HF processor made them: the kept merge units go
+        with the video (`vtc_kept`) and size its placeholders. Not while vLLM profiles: its dummy videos then keep
+        every unit, the worst case it measures."""
+        processed_data = super()._postprocess_hf_mm_data(mm_inputs, hf_processor_mm_kwargs, processed_data)
+        server = server_config(self.info.get_hf_config())
+        if server is None or self._profiling or "pixel_values_videos" not in processed_data:
+            return processed_data
+        if not config_pipeline(server, self.family).has_stage("encode"):
+            return processed_data
+        grid_thw = processed_data["video_grid_thw"]
+        settings = processed_data.get(SETTINGS_FIELD)
+        rows = [None] * len(grid_thw) if settings is None else list(settings)
+        configs = [request_config(server, {} if row is None else decode_settings(row)) for row in rows]
+        hf_config = self.info.get_hf_config()
+        kept = choose_units(
+            [config_pipeline(c, self.family) for c in configs],
+            [c.seed for c in configs],
+            processed_data["pixel_values_videos"],
+            grid_thw,
+            vision_config=hf_config.vision_config,
+            video_processor=self.info.get_hf_processor().video_processor,
+            family=self.family,
+            geometry=_geometry(self.family, hf_config),
+        )
+        merge = hf_config.vision_config.spatial_merge_size
+        for k, (units, size) in enumerate(zip(kept, grid_thw.tolist())):
+            grid = _qwen_grid(size, merge)
+            logger.info(
+                "vtc %s: video %d, grid %s: the encode stage kept %d of %d units (prompt processor)",
+                configs[k].methods,
+                k,
+                grid,
+                units.numel(),
+                grid[0] * grid[1] * grid[2],
+            )
+        processed_data[KEPT_FIELD] = kept
+        return processed_data
+
+    def _item_kept(self, item) -> Tensor | None:
+        """The merge units an item's encode stage kept (None: the processor ran none on it)."""
+        return item[KEPT_FIELD].data if KEPT_FIELD in item else None
 
     def _item_pipeline(self, item) -> Pipeline:
         server = server_config(self.info.get_hf_config())
@@ -462,20 +531,26 @@ class _QwenProcessor(_VtcProcessor):
     def _video_replacement(self, item_idx, original, pipeline, item, mm_items):
         merge = self.info.get_hf_config().vision_config.spatial_merge_size
         grid = _qwen_grid(item["video_grid_thw"].data.tolist(), merge)
-        return [original(item_idx)[0]] * pipeline.retained_count(grid)
+        count = pipeline.retained_count(grid, encoded=encoded_count(pipeline, self._item_kept(item), grid))
+        return [original(item_idx)[0]] * count
 
 
 class _Qwen3Processor(_VtcProcessor):
     """Qwen3-VL: the whole per-video span (timestamps, frame markers, video tokens) is filled by the model, which
     knows how many tokens each frame kept (vLLM's own pruning layout); only its length is fixed here. The count is
-    spread evenly over the frames, so at retention 1.0 the prompt's token ids are stock vLLM's."""
+    spread evenly over the frames, so at retention 1.0 the prompt's token ids are stock vLLM's. After an encode
+    stage alone each frame holds its temporal patch's kept units, as the model lays it out."""
 
     def _video_replacement(self, item_idx, original, pipeline, item, mm_items):
         hf_config = self.info.get_hf_config()
         grid = _qwen_grid(item["video_grid_thw"].data.tolist(), hf_config.vision_config.spatial_merge_size)
-        frames, count = grid[0], pipeline.retained_count(grid)
+        kept = self._item_kept(item)
+        frames, count = grid[0], pipeline.retained_count(grid, encoded=encoded_count(pipeline, kept, grid))
+        per_frame = [count // frames + (f < count % frames) for f in range(frames)]
+        if kept is not None and not pipeline.has_stage("connect"):  # the frames' counts are known already
+            per_frame = torch.bincount(kept // (grid[1] * grid[2]), minlength=frames).tolist()
         return Qwen3VLMultiModalProcessor.get_video_repl(
-            tokens_per_frame=[count // frames + (f < count % frames) for f in range(frames)],
+            tokens_per_frame=per_frame,
             timestamps=item["timestamps"].data,
             tokenizer=self.info.get_tokenizer(),
             vision_start_token_id=hf_config.vision_start_token_id,
@@ -523,8 +598,9 @@ class _ServingModel:
 
     def embed_multimodal(self, **kwargs: object):
         settings = kwargs.pop(SETTINGS_FIELD, None)
+        kept = kwargs.pop(KEPT_FIELD, None)
         if self.vtc is not None:
-            self.vtc.begin_call(settings)
+            self.vtc.begin_call(settings, kept)
         return super().embed_multimodal(**kwargs)
 
 
@@ -615,6 +691,7 @@ class _QwenServing(_MRopeServing):
         grid_thw = video_input["video_grid_thw"]
         merge = self.visual.spatial_merge_size
         grids = [_qwen_grid(size, merge) for size in grid_thw.tolist()]
+        run = self.vtc.encode_run(run, self.visual, video_input.get("pixel_values_videos"), grid_thw, grids)
         split = self.vtc.encode(run, grids, grid_thw)
         seconds = video_input.get("second_per_grid_ts")
         out = []
@@ -689,8 +766,10 @@ class VtcQwen3VL(_MRopeServing, Qwen3VLForConditionalGeneration):
         if self.vtc is None:
             return run()
         merge = self.visual.spatial_merge_size
-        grids = [_qwen_grid(size, merge) for size in video_input["video_grid_thw"].tolist()]
-        return self.vtc.encode(run, grids, video_input["video_grid_thw"])
+        grid_thw = video_input["video_grid_thw"]
+        grids = [_qwen_grid(size, merge) for size in grid_thw.tolist()]
+        run = self.vtc.encode_run(run, self.visual, video_input.get("pixel_values_videos"), grid_thw, grids)
+        return self.vtc.encode(run, grids, grid_thw)
 
     def _postprocess_video_embeds_evs(self, video_embeds_split, video_input):
         if self.vtc is None:
