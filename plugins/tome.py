@@ -34,8 +34,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
+
+import vtc
+from vtc.core.bases import survivors_reach_llm
 
 Tensor = torch.Tensor
 
@@ -217,3 +221,178 @@ def tome_layer_step(
         source = merge_source(plan, x, source)
     x, size = merge_wavg(plan, x, size)
     return x, size, source
+
+
+# --- the method ---------------------------------------------------------------------------------------------------
+
+
+def clipped_schedule(schedule: list[int], tokens: int, protected: int = 0) -> list[int]:
+    """The tokens each block really removes from one image of `tokens` tokens: ToMe clips a block's r to
+    (N - protected) // 2 of what is left."""
+    out = []
+    for r in schedule:
+        r = max(0, min(r, (tokens - protected) // 2))
+        out.append(r)
+        tokens -= r
+    return out
+
+
+def schedule_for_count(tokens: int, keep: int, num_layers: int) -> list[int]:
+    """vtc's schedule reaching `keep` of `tokens` per image over `num_layers` blocks: the removal split evenly over
+    the blocks (earlier blocks take the remainder), except that a block takes more when the blocks after it could not
+    finish (each merges at most half of what is left: ToMe's clip), and never more than that clip itself. With too
+    few blocks it stops short: fewer removed than asked."""
+    schedule, left = [], tokens
+    for layer in range(num_layers):
+        after = num_layers - layer - 1
+        even = -(-(left - keep) // (after + 1))
+        r = min(left // 2, max(even, left - keep * 2**after)) if left > keep else 0
+        schedule.append(r)
+        left -= r
+    return schedule
+
+
+@vtc.method(
+    "tome",
+    paper="Token Merging: Your ViT but Faster (ICLR 2023)",
+    url="https://arxiv.org/abs/2210.09461",
+    summary="inside the vision tower, between attention and MLP of every block: bipartite soft matching merges r "
+    "pairs of similar tokens per frame (size-weighted average, proportional attention)",
+    retention_note=(
+        "Qwen: each frame keeps round(r * n) merge units when the tower's blocks allow it (a block merges at most "
+        "half of what is left); LLaVA: the LLM's count is unchanged (tokens are unmerged before the pooling), so "
+        "tome takes no share of the retention there"
+    ),
+    exempt={
+        "fixed_count": "the check's retention 0.15 is out of reach of the 2-block tiny Qwen2-VL tower (ToMe merges "
+        "at most half of a frame per block: a quarter is left at best); tests/test_tower.py checks the promised "
+        "count at 0.25, alone and composed"
+    },
+)
+class ToMe(vtc.TowerMerger):
+    """ToMe (official: facebookresearch/ToMe) between attention and MLP of every vision-tower block, one frame
+    (temporal patch) at a time as one image. On the Qwen towers a token is a merge unit (the matching metric is the
+    unit's head-averaged keys, its patches side by side; a merge averages each patch slot): the survivors reach the
+    LLM at their own (t, h, w). On SigLIP / CLIP (LLaVA) a token is a patch (CLIP's class token protected) and every
+    frame is unmerged onto its grid before the pooling (the source map), as ToMe's `merge_source`: tower compute
+    only, the LLM's count is unchanged."""
+
+    r: int | list | None = vtc.param(
+        None,
+        doc="tokens merged per block per frame: an int (every block, with `inflect`), or one int per block "
+        "(model.r); None: from the retention on the Qwen towers, the official 0 (nothing) on LLaVA",
+    )
+    inflect: float = vtc.param(0.0, doc="with an int r: the official (r, inflect) schedule (0 constant, -1 decreasing)")
+    prop_attn: bool = vtc.param(True, doc="proportional attention: log(size) added to the attention logits (official)")
+    depth: int | None = vtc.param(
+        None,
+        range="[1, inf)",
+        doc="blocks of the vision tower, for a count known before the model exists with an int r (a server sets "
+        "it from the model's config); None: the model's own",
+    )
+
+    needs_keys: ClassVar[bool] = True
+
+    def validate(self) -> None:
+        if isinstance(self.r, list) and any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in self.r):
+            raise ValueError(f"tome: r must be an int >= 0 or a list of them (one per block), got {self.r!r}")
+        if isinstance(self.r, int) and self.r < 0:
+            raise ValueError(f"tome: r must be >= 0, got {self.r}")
+
+    def reduces_llm_tokens(self, family):
+        return family is None or survivors_reach_llm(family)
+
+    def llm_tokens_note(self, family):
+        if survivors_reach_llm(family):
+            return ""
+        return (
+            f"tome unmerges its tokens onto the frame grid before {family}'s pooling, as ToMe's source map, so it "
+            "saves tower compute and keeps every LLM token; set tome.r for the tower"
+        )
+
+    def proportional_attention(self) -> bool:
+        return self.prop_attn and self._acts()
+
+    def _acts(self) -> bool:
+        return self.r is None or bool(self.r if isinstance(self.r, int) else any(self.r))
+
+    def schedule(self, num_layers: int, tokens_per_frame: int) -> list[int]:
+        """Tokens merged per frame in each of the tower's `num_layers` blocks (before ToMe's clip)."""
+        if self.r is not None:
+            return parse_r(num_layers, self.r if isinstance(self.r, list) else (self.r, self.inflect))[:num_layers]
+        if self.retention is None:
+            return [0] * num_layers
+        keep = max(1, round(self.retention * tokens_per_frame))
+        schedule = schedule_for_count(tokens_per_frame, keep, num_layers)
+        if tokens_per_frame - sum(schedule) > keep:
+            raise ValueError(
+                f"tome: its share of the retention ({self.retention:.3g}) asks each frame to keep {keep} of "
+                f"{tokens_per_frame} tokens, but this {num_layers}-block tower merges at most half of what is left "
+                f"per block, so a frame keeps at least {tokens_per_frame - sum(schedule)}; use a higher retention or "
+                "compose tome with another reducing method"
+            )
+        return schedule
+
+    def changes_tower(self, grid):
+        if self.r is None:  # from the retention: a frame of H * W tokens keeps round(r * H * W)
+            return self.retention is not None and round(self.retention * grid[1] * grid[2]) < grid[1] * grid[2]
+        return self._acts()
+
+    def retained_count(self, num_tokens, grid, family):
+        if not survivors_reach_llm(family):
+            return num_tokens
+        t, h, w = grid
+        if num_tokens != t * h * w:  # after a pre-tower method: per-frame counts depend on the content
+            return None
+        if self.r is None:
+            return t * max(1, round(self.retention * h * w)) if self.retention is not None else num_tokens
+        depth = self.depth if self.depth is not None else (len(self.r) if isinstance(self.r, list) else None)
+        if depth is None:  # an int r: the count depends on the tower's depth
+            return None
+        return t * (h * w - sum(clipped_schedule(self.schedule(depth, h * w), h * w)))
+
+    def encode_block(self, tokens, ctx):
+        if tokens.point != "after_attention":
+            return tokens
+        first = torch.unique(tokens.frame)[:1]
+        per_frame = int(tokens.grid[1] * tokens.grid[2])
+        r = self.schedule(tokens.num_layers, per_frame)[tokens.layer]
+        if r <= 0 or first.numel() == 0:
+            return tokens
+        class_token = tokens.has_class_token
+        keep, src, dst, hidden, size = {}, [], [], {}, {}
+        for frames, index in tokens.frame_batches():
+            x = tokens.hidden[index]  # [f, n, unit, D]
+            f, n = index.shape
+            if r > n:
+                raise ValueError(
+                    f"tome: r={r} at block {tokens.layer} is larger than the {n} tokens a frame has there; ToMe merges "
+                    f"at most half of a frame's tokens per block (it clips r to that), so give r <= {n} per block"
+                )
+            metric = (
+                tokens.keys[index].mean(dim=-2).reshape(f, n, -1)
+            )  # heads averaged, the unit's patches side by side
+            plan = bipartite_soft_matching(metric, r, class_token=class_token)
+            if plan.r == 0:
+                for i, frame in enumerate(frames.tolist()):
+                    keep[frame], hidden[frame], size[frame] = index[i], x[i], tokens.size[index[i]]
+                continue
+            merged, sizes = merge_wavg(plan, x.reshape(f, n, -1), tokens.size[index][..., None].to(x.dtype))
+            b = torch.arange(1, n, 2, device=index.device).expand(f, -1)
+            order = torch.cat([2 * plan.unmerged, b], dim=1)  # ToMe's output order: [unmerged A ; B]
+            for i, frame in enumerate(frames.tolist()):
+                keep[frame] = index[i, order[i]]
+                hidden[frame] = merged[i].view(-1, *x.shape[2:])
+                size[frame] = sizes[i, :, 0].to(tokens.size.dtype)
+            src.append(index.gather(1, 2 * plan.merged).flatten())
+            dst.append(index.gather(1, 2 * plan.destination + 1).flatten())
+        frames = sorted(keep)
+        if not src:
+            return tokens
+        return tokens.merge(
+            torch.cat([keep[f] for f in frames]),
+            torch.cat(src),
+            torch.cat(dst),
+            hidden=torch.cat([hidden[f] for f in frames]),
+            size=torch.cat([size[f] for f in frames]),
+        )

@@ -229,6 +229,10 @@ def test_refusals_name_the_problem():
     assert vtc.registry()["holitom"].card.whole_frames
     with pytest.raises(ValueError, match="needs whole frames"):
         vtc.core.pipeline.Pipeline([KeepTemporalPatches(), vtc.registry()["holitom"]()], retention=0.5)
+    from vtc.vllm.config import ServeConfig
+
+    with pytest.raises(ValueError, match="between its blocks"):
+        ServeConfig.from_dict({"methods": "tome", "retention": 0.5}).check_methods()
 
 
 @vtc.method("t_random_units", paper="test")

@@ -170,7 +170,11 @@ def test_docs_examples(offline, capsys):
 
 def test_write_a_plugin_example_registers_and_passes(offline):
     namespace: dict = {}
-    blocks = [b for b in code_blocks(ROOT / "docs" / "write-a-plugin.md", "python") if "PatchSelector" not in b]
+    blocks = [
+        b
+        for b in code_blocks(ROOT / "docs" / "write-a-plugin.md", "python")
+        if "PatchSelector" not in b and "TowerMerger" not in b
+    ]
     assert len(blocks) == 4
     run_python(blocks[0], namespace)
     registry = vtc.registry()
@@ -233,6 +237,30 @@ def test_write_a_plugin_encode_example_runs_the_tower_on_the_survivors(offline):
         assert stats.visual_tokens_out == handle.retained_count(stats.grids[0])
     finally:
         registry.remove("keepbusy")
+
+
+def test_write_a_plugin_tower_example_folds_repeated_tokens_between_blocks(offline):
+    (block,) = [b for b in code_blocks(ROOT / "docs" / "write-a-plugin.md", "python") if "TowerMerger" in b]
+    namespace: dict = {}
+    run_python(block, namespace)
+    registry = vtc.registry()
+    try:
+        vtc.register(namespace["FoldRepeats"])
+        from vtc.media.video import static_clip
+        from vtc.testing.fixtures import model_and_processor
+
+        model, processor = model_and_processor("qwen2_vl")
+        inputs = vtc.prepare_inputs(processor, static_clip(8, 112, 112), "What moves?", num_frames=8, fps=8)
+        with torch.no_grad(), vtc.patch(model, "foldrepeats") as handle:  # the still background folds away
+            model(**inputs)
+            stats = handle.stats()
+        t, h, w = stats.grids[0]
+        assert h * w < stats.llm_tokens_in < stats.visual_tokens_in / 2  # the first frame whole, then mostly the object
+        assert [(r.stage, r.plugin) for r in stats.stages] == [("encode", "foldrepeats")]
+        with pytest.raises(ValueError, match="foldrepeats.*encode_units"):
+            vtc.patch(model_and_processor("llava_onevision")[0], "foldrepeats")
+    finally:
+        registry.remove("foldrepeats")
 
 
 def test_every_method_has_a_row_in_the_methods_table_and_a_page():

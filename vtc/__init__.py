@@ -22,11 +22,13 @@ from vtc.core.bases import (
     StreamMemoryMethod,
     TokenMerger,
     TokenSelector,
+    TowerMerger,
 )
 from vtc.core.method import DType, Method, MethodCard, as_dtype, method, param
 from vtc.core.patches import VideoPatches
 from vtc.core.registry import register, registry
 from vtc.core.tokens import Context, VideoTokens
+from vtc.core.tower import TowerTokens
 from vtc.core.vision_stats import VisionStat
 from vtc.streaming import StreamSession, stream
 
@@ -54,6 +56,8 @@ __all__ = [
     "StreamSession",
     "TokenMerger",
     "TokenSelector",
+    "TowerMerger",
+    "TowerTokens",
     "VideoPatches",
     "VideoTokens",
     "VisionStat",

@@ -6,6 +6,7 @@
   pruning and FrameFusion's prune step are all this).
 - `FrameSampler` (sample): choose the frames the processor sees; reduces no token.
 - `PatchSelector` (encode): keep a subset of each video's merge units before the vision tower runs.
+- `TowerMerger` (encode): merge or drop tokens between the vision tower's blocks.
 - `StreamMemoryMethod`: decides what a `vtc.stream` session remembers (`stream_memory(config)`).
 
 A method that does several things (HoliTom, PruneVid, QuoTA) composes them: it holds the part it shares with
@@ -24,6 +25,7 @@ from vtc.core.method import Grid, LLMState, Method
 if TYPE_CHECKING:  # pragma: no cover
     from vtc.core.patches import VideoPatches
     from vtc.core.tokens import Context, VideoTokens
+    from vtc.core.tower import TowerTokens
 
 Tensor = torch.Tensor
 
@@ -264,6 +266,48 @@ class PatchSelector(Method):
         if count is not None and count >= len(patches):
             return patches
         return patches.select(self.choose(patches, count, ctx))
+
+
+class TowerMerger(Method):
+    """Encode stage, inside the vision tower: merge or drop one video's tokens between the tower's blocks
+    (`encode_block`, called after every block's attention and after every block; `vtc.core.tower.TowerTokens`).
+
+    The backend runs the tower block by block on the families offering `tower_blocks`. What the LLM then sees
+    depends on the tower: on the Qwen towers a token is a merge unit, and every surviving token is one LLM token at
+    its original (t, h, w) (`survivors_reach_llm`); SigLIP / CLIP (LLaVA) pool a square frame grid, so their tokens
+    are unmerged onto it before the pooling (every cell gets the token that holds it, ToMe's source map), and only
+    frames that lost all their tokens to another frame leave the LLM's input.
+
+    needs_keys: the method reads the block's attention keys at "after_attention" (`tokens.keys`);
+    `attention_layers(num_layers)`: the blocks at whose "after_attention" it reads the attention each token receives
+    (`tokens.received`; computed from the block's queries and keys, frame by frame, only there).
+    `proportional_attention()`: the tower's attention adds log(size) of every key to the logits (ToMe), so a merged
+    token weighs as the tokens it stands for; the backend then computes the attention with that bias (SDPA) instead
+    of the tower's own kernel. `changes_tower(grid)`: False when the method would leave every token of a video of
+    this tower grid as it is (the backend then runs the tower untouched, bit for bit)."""
+
+    requires: ClassVar[frozenset[str]] = frozenset({"tower_blocks"})
+    needs_keys: ClassVar[bool] = False
+
+    def proportional_attention(self) -> bool:
+        return False
+
+    def attention_layers(self, num_layers: int) -> frozenset[int]:
+        return frozenset()
+
+    def changes_tower(self, grid: Grid) -> bool:
+        return True
+
+    def encode_block(self, tokens: TowerTokens, ctx: Context) -> TowerTokens:
+        raise NotImplementedError
+
+
+def survivors_reach_llm(family: str) -> bool:
+    """Does every token left at the end of this family's vision tower reach the LLM as one token (the Qwen merge
+    units), rather than being unmerged onto a pooled frame grid (LLaVA's SigLIP / CLIP)?"""
+    from vtc.core.families import get_family
+
+    return "encode_units" in get_family(family).features
 
 
 class StreamMemoryMethod(Method):

@@ -52,18 +52,22 @@ def connect_video(
     extras: dict[str, Tensor] | None = None,
     seq_index: Tensor | None = None,
     survivors: Tensor | None = None,
+    survivor_weights: Tensor | None = None,
 ) -> tuple[VideoTokens, VideoTokens]:
     """Run the connect plugins of `pipeline` on one video. Returns `(tokens_in, tokens_out)`; `tokens_out is
     tokens_in` when every plugin kept everything. `ctx.geometry.mrope` decides the default position layout.
-    `survivors`: the grid cells the encode stage kept (ascending); the connect plugins see only those."""
+    `survivors`: the grid cells the encode stage kept (ascending); the connect plugins see only those, each standing
+    for `survivor_weights` original tokens (None: one)."""
     mrope = bool(ctx.geometry.mrope) if ctx.geometry is not None else False
     tokens = video_tokens(
         embeds, grid, mrope=mrope, positions=positions, timestamps=timestamps, extras=extras, seq_index=seq_index
     )
     start = tokens
-    if survivors is not None and survivors.numel() < len(tokens):
+    if survivors is not None and (survivors.numel() < len(tokens) or survivor_weights is not None):
         start = tokens.select(survivors.to(tokens.embeds.device))
         start.log.append(("encode", len(tokens), len(start)))
+        if survivor_weights is not None:
+            start.weight = survivor_weights.to(start.weight.device, start.weight.dtype)
     return tokens, pipeline.run_connect(start, ctx, recorder)
 
 

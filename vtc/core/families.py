@@ -44,6 +44,8 @@ FEATURES = {
     "prepool": "the features before that pooling are available (`ctx.prepool`, `ctx.pool`)",
     "encode_units": "encode-stage methods can drop whole merge units before the vision tower (the HF Qwen towers: "
     "survivors keep their rotary rows, per-frame attention segments and windows; `vtc.hf.encode`)",
+    "tower_blocks": "vtc can run the vision tower block by block and merge or drop tokens between its blocks (the HF "
+    "Qwen towers and LLaVA's SigLIP / CLIP; `vtc.hf.tower`)",
     "cls_token": "the vision tower has a CLS token first in each frame's sequence (the 'cls' statistic)",
     "deepstack": "visual features also enter the first LLM layers (Qwen3-VL DeepStack), sliced with the tokens",
     "timestamps": "the inputs carry each frame's time (Qwen2.5-VL / Qwen3-VL)",

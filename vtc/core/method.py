@@ -41,12 +41,20 @@ import torch
 if TYPE_CHECKING:  # pragma: no cover
     from vtc.core.patches import VideoPatches
     from vtc.core.tokens import Context, TokenLayout, VideoTokens
+    from vtc.core.tower import TowerTokens
     from vtc.core.vision_stats import VisionStat
 
 Tensor = torch.Tensor
 Grid = tuple[int, int, int]
 
 STAGES = ("sample", "encode", "connect", "prefill")
+# the hooks of each stage: a method acts in a stage when its class overrides one of them
+STAGE_HOOKS = {
+    "sample": ("sample",),
+    "encode": ("encode", "encode_block"),
+    "connect": ("connect",),
+    "prefill": ("prefill",),
+}
 
 # which visual-token count `retention` sets, for methods that act inside the LLM
 RETENTION_REFERENCES = {
@@ -187,6 +195,17 @@ class Method:
     def __radd__(self, other: list) -> list:
         return [*other, self]
 
+    def reduces_llm_tokens(self, family: str | None) -> bool:
+        """Does the method change how many visual tokens the LLM sees on `family` (None: on some family)? Only those
+        share the retention. Default: the class's `reduces_tokens`; a method whose effect depends on the family's
+        tower says so (ToMe unmerges before LLaVA's pooling: tower compute only there)."""
+        return type(self).reduces_tokens
+
+    def llm_tokens_note(self, family: str) -> str:
+        """Why the method leaves the LLM's token count alone on `family` (for the error when nothing else reduces
+        it); empty when it reduces it, or is not a reducing method."""
+        return ""
+
     # --- the hooks --------------------------------------------------------------------------------------------
     def sample(self, video: Video, ctx: Context) -> list[int]:
         """Choose which frames of a video the processor sees. Runs before the processor, in `handle.prepare`,
@@ -208,10 +227,22 @@ class Method:
         pixels); ctx: family, geometry, retention, a seeded `generator`, `state`, `report` (not the question: the
         tower runs before vtc reads the prompt). Return `patches` itself to keep everything.
         vtc checks the result: at least one unit, and exactly `retained_count(...)` units when the method promises
-        a count. Runs on the families offering `encode_units` (the Qwen towers), on the HF backend; merging
-        between the tower's blocks is not offered yet.
+        a count. Runs on the families offering `encode_units` (the Qwen towers).
         """
         return patches
+
+    def encode_block(self, tokens: TowerTokens, ctx: Context) -> TowerTokens:
+        """Act inside the vision tower, between its blocks: called for one video at `tokens.point ==
+        "after_attention"` (the block's attention added to the residual, its MLP not run yet: where ToMe merges) and
+        "after_block" of every block `tokens.layer`.
+
+        tokens: `vtc.core.tower.TowerTokens` (hidden states, cells, frames, sizes; the block's attention keys when
+        the method `needs_keys`); ctx as for `encode`. Return `tokens` itself to change nothing, or
+        `tokens.merge(...)` (keep, fold and drop whole tokens). What reaches the LLM depends on the family: on the
+        Qwen towers every surviving token is one LLM token at its original (t, h, w); on LLaVA's SigLIP / CLIP the
+        tokens are unmerged onto the frame grid before the pooling (`tower_families` of the method's base).
+        """
+        return tokens
 
     def connect(self, tokens: VideoTokens, ctx: Context) -> VideoTokens:
         """Prune or merge the visual tokens of one video after the projector, before the LLM sees them.
@@ -389,7 +420,17 @@ class MethodCard:
     # --- derived from the class ------------------------------------------------------------------------------
     @property
     def stages(self) -> tuple[str, ...]:
-        return tuple(s for s in STAGES if _overrides(self.cls, s))
+        return tuple(s for s in STAGES if any(_overrides(self.cls, hook) for hook in STAGE_HOOKS[s]))
+
+    @property
+    def acts_before_tower(self) -> bool:
+        """The method keeps a subset of the patches before the vision tower's first block (`encode`)."""
+        return _overrides(self.cls, "encode")
+
+    @property
+    def acts_in_tower(self) -> bool:
+        """The method merges or drops tokens between the vision tower's blocks (`encode_block`)."""
+        return _overrides(self.cls, "encode_block")
 
     @property
     def acts_in_llm(self) -> bool:

@@ -19,6 +19,7 @@ from vtc.core.patches import VideoPatches
 from vtc.core.registry import Registry, registry
 from vtc.core.stats import StatsRecorder
 from vtc.core.tokens import Context, VideoTokens
+from vtc.core.tower import TowerTokens
 
 STAGE_ORDER = {stage: i for i, stage in enumerate(STAGES)}
 Spec = str | Method | Iterable[str | Method]
@@ -183,16 +184,34 @@ class Pipeline:
         check_streaming(cards, streaming, methods)
         routed = _route_params(given, params or {})
         given = [_construct(type(m), routed[m.card.name], m) if routed[m.card.name] else m for m in given]
-        reducers = [c for c in cards if c.reduces_tokens]
-        share = self.retention ** (1.0 / len(reducers)) if (self.retention is not None and reducers) else None
-
         ranked = sorted(enumerate(given), key=lambda p: (min(STAGE_ORDER[s] for s in p[1].card.stages), p[0]))
-        self.entries: list[Entry] = [Entry(m.card, m.bind(share if m.card.reduces_tokens else None)) for _, m in ranked]
-        self._check_order()
+        self.entries: list[Entry] = [Entry(m.card, m) for _, m in ranked]
+        self._share_retention(family)
+        self._check_order(family)
         self._stores: dict[str, dict[str, Any]] = {}
         self.begin_prompt()
         if family is not None:
             self.bind(family)
+
+    def _encoders_inside_frames(self, family: str | None) -> list[str]:
+        """The encode methods that leave frames partial for the connect stage: every pre-tower method, and tower
+        methods where the tower's survivors are the LLM's tokens (the Qwen towers; on LLaVA's SigLIP / CLIP a frame
+        is unmerged onto its whole grid, or leaves entirely). Unknown family: every encode method."""
+        from vtc.core.bases import survivors_reach_llm
+
+        return [
+            e.card.name
+            for e in self.stage_entries("encode")
+            if e.card.acts_before_tower or family is None or survivors_reach_llm(family)
+        ]
+
+    def _share_retention(self, family: str | None) -> None:
+        """Bind every method to its share of the retention: split evenly (geometrically) over the methods that
+        reduce the LLM's visual tokens on `family` (None: on some family); the others get None."""
+        given = [e.method for e in self.entries]
+        reducers = [m for m in given if m.reduces_llm_tokens(family)]
+        share = self.retention ** (1.0 / len(reducers)) if (self.retention is not None and reducers) else None
+        self.entries = [Entry(e.card, e.method.bind(share if e.method in reducers else None)) for e in self.entries]
 
     @staticmethod
     def _check_conflicts(cards: list[MethodCard]) -> None:
@@ -206,24 +225,26 @@ class Pipeline:
                     )
                 owners[decision] = card.name
 
-    def _check_order(self) -> None:
-        """A method that needs whole frames must see them: no connect method, and no encode method, may run
-        before it. A connect method reading the vision tower's statistics must read those of the tower it means:
-        an encode method changes what the tower attends over."""
+    def _check_order(self, family: str | None) -> None:
+        """A method that needs whole frames must see them: no connect method, and no encode method that removes
+        tokens inside frames, may run before it. A connect method reading the vision tower's statistics must read
+        those of the tower it means: an encode method changes what the tower attends over."""
         connect = self.stage_entries("connect")
         encoders = [e.card.name for e in self.stage_entries("encode")]
         for e in connect if encoders else []:
-            if e.card.whole_frames:
+            inside = [n for n in self._encoders_inside_frames(family) if n != e.card.name]
+            if e.card.whole_frames and inside:
                 raise ValueError(
                     f"{e.card.name} needs whole frames (every token of every frame it gets), but the encode-stage "
-                    f"method {', '.join(encoders)} removes units inside frames before the vision tower; use a connect "
-                    "method that takes any subset of tokens after it, or drop one of the two"
+                    f"method {', '.join(inside)} removes tokens inside frames in or before the vision tower; use a "
+                    "connect method that takes any subset of tokens after it, or drop one of the two"
                 )
             if e.card.vision_stats:
                 raise ValueError(
                     f"{e.card.name} reads the vision tower's attention, but the encode-stage method "
-                    f"{', '.join(encoders)} runs the tower on a subset of the patches, so those statistics are not the "
-                    "ones its official code reads; use a connect method that needs no vision statistics after it"
+                    f"{', '.join(encoders)} changes what the tower attends over (a subset of the patches, or merged "
+                    "tokens), so those statistics are not the ones its official code reads; use a connect method that "
+                    "needs no vision statistics after it"
                 )
         for i, e in enumerate(connect):
             if e.card.whole_frames and i > 0:
@@ -246,6 +267,18 @@ class Pipeline:
                 raise ValueError(
                     f"method {e.card.name!r} does not support {family}: it needs {', '.join(missing)}, which "
                     f"{family} does not offer; it supports {', '.join(e.card.families) or '(no registered family)'}"
+                )
+        idle = [
+            e for e in self.entries if e.method.reduces_llm_tokens(None) and not e.method.reduces_llm_tokens(family)
+        ]
+        if idle:  # e.g. ToMe on LLaVA: its share goes to the methods that do reduce the LLM's tokens here
+            self._share_retention(family)
+            if self.retention is not None and not any(e.method.reduces_llm_tokens(family) for e in self.entries):
+                notes = "; ".join(e.method.llm_tokens_note(family) for e in idle)
+                raise ValueError(
+                    f"retention={self.retention} sets the fraction of visual tokens the LLM sees, but no method of "
+                    f"{self.spec!r} changes that count on {family} ({notes}); add a method that does (e.g. "
+                    f"'{self.spec}+vidcom2'), or drop retention"
                 )
         self.family = family
 
@@ -369,6 +402,8 @@ class Pipeline:
         the model's media encoding, before the prompt's statistics record exists)."""
         records = []
         for e in self.stage_entries("encode"):
+            if not e.card.acts_before_tower:
+                continue
             n_in = len(patches)
             start = time.perf_counter()
             own = ctx.replace(state=self._stores.setdefault(e.card.name, {}), prepared={}, reports={})
@@ -378,6 +413,49 @@ class Pipeline:
             records.append((e.card.name, n_in, len(out), seconds, own.reports))
             patches = out
         return patches, records
+
+    def tower_entries(self) -> list[Entry]:
+        """The encode methods that act between the vision tower's blocks (`TowerMerger`)."""
+        return [e for e in self.stage_entries("encode") if e.card.acts_in_tower]
+
+    def changes_tower(self, grid: tuple[int, int, int]) -> bool:
+        """Would a tower method change a video of this tower grid (else the tower runs untouched)?"""
+        return any(e.method.changes_tower(grid) for e in self.tower_entries())
+
+    @property
+    def tower_needs_keys(self) -> bool:
+        return any(getattr(e.method, "needs_keys", False) for e in self.tower_entries())
+
+    def tower_attention_layers(self, num_layers: int) -> frozenset[int]:
+        """The tower blocks at which some tower method reads the attention its tokens receive."""
+        return frozenset().union(*(e.method.attention_layers(num_layers) for e in self.tower_entries()))
+
+    @property
+    def proportional_attention(self) -> bool:
+        return any(e.method.proportional_attention() for e in self.tower_entries())
+
+    def run_encode_block(self, tokens: TowerTokens, ctx: Context, tally: dict[str, list]) -> TowerTokens:
+        """One video's tokens at one point of one tower block through every tower method, in order, each output
+        checked. `tally[name]` = [tokens removed, seconds, reports] accumulates over the tower's blocks (the
+        backend records one encode row per method from it)."""
+        for e in self.tower_entries():
+            n_in = len(tokens)
+            start = time.perf_counter()
+            own = ctx.replace(state=self._stores.setdefault(e.card.name, {}), prepared={}, reports={})
+            out = e.method.encode_block(tokens, own)
+            entry = tally.setdefault(e.card.name, [0, 0.0, {}])
+            entry[1] += time.perf_counter() - start
+            for name, values in own.reports.items():
+                entry[2].setdefault(name, []).extend(values)
+            if not isinstance(out, TowerTokens):
+                raise TypeError(
+                    f"method {e.card.name!r}: encode_block must return TowerTokens, got {type(out).__name__}"
+                )
+            if out is not tokens and (out.grid != tokens.grid or out.holder.numel() != tokens.holder.numel()):
+                raise RuntimeError(f"method {e.card.name!r} changed the video's tower grid {tokens.grid} -> {out.grid}")
+            entry[0] += n_in - len(out)
+            tokens = out
+        return tokens
 
     def _check_patches(self, e: Entry, patches: VideoPatches, out: Any, ctx: Context) -> None:
         name = e.card.name

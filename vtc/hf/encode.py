@@ -36,9 +36,10 @@ Tensor = torch.Tensor
 class EncodedVideo:
     """What the encode stage did to one video of the last encoding call."""
 
-    grid: tuple[int, int, int]  # token grid (T, H, W)
-    kept: Tensor  # surviving units on the grid, ascending
-    records: list[tuple]  # (method, units in, units out, seconds, reports) per encode method
+    grid: tuple[int, int, int]  # LLM token grid (T, H, W)
+    kept: Tensor  # cells of the LLM grid that reach the LLM, ascending
+    records: list[tuple]  # (method, tokens in, tokens out, seconds, reports) per encode method
+    weight: Tensor | None = None  # [len(kept)]: how many original tokens each stands for (None: one each)
 
 
 def survivor_rows(kept: list[Tensor], units_per_video: list[int], unit: int) -> Tensor:
@@ -132,17 +133,31 @@ class EncodeStage:
         self.enabled = True
         self.encoded: list[EncodedVideo] | None = None  # the last encoding call's videos, until the prefill takes them
         self._original = None
+        self._original_tower = None
+        self._llava_call: dict[str, Any] | None = None  # the video call in progress (LLaVA)
 
     def install(self) -> None:
         outer = self.adapter.outer
         self._original = outer.get_video_features
-        outer.get_video_features = self._get_video_features  # an instance attribute: other models are untouched
+        # instance attributes: other models (and this model's class) are untouched
+        if "encode_units" in self.adapter.record.features:
+            outer.get_video_features = self._get_video_features
+        else:  # LLaVA: the model's own get_video_features, whose tower call vtc answers (`_tower_forward`)
+            outer.get_video_features = self._get_llava_video_features
+            tower = self.adapter.vision_tower
+            self._original_tower = tower.forward
+            tower.forward = self._tower_forward
 
     def remove(self) -> None:
         outer = self.adapter.outer
-        if outer.__dict__.get("get_video_features") == self._get_video_features:
-            del outer.__dict__["get_video_features"]
+        for name in ("get_video_features",):
+            if name in outer.__dict__:
+                del outer.__dict__[name]
+        tower = self.adapter.vision_tower
+        if "forward" in tower.__dict__:
+            del tower.__dict__["forward"]
         self.encoded = None
+        self._llava_call = None
 
     def take(self) -> list[EncodedVideo] | None:
         """The videos of the last encoding call (once: a later prompt must encode its own)."""
@@ -169,9 +184,100 @@ class EncodeStage:
             out, records = self.pipeline.run_encode(patches, ctx.replace(video_index=k, generator=generator))
             encoded.append(EncodedVideo(patches.grid, out.kept, records))
         self.encoded = encoded
+        if self.pipeline.tower_entries() and any(self.pipeline.changes_tower(e.grid) for e in encoded):
+            return self._encode_in_tower(pixel_values_videos, video_grid_thw, encoded, ctx, kwargs)
         if all(len(e.kept) == e.grid[0] * e.grid[1] * e.grid[2] for e in encoded):
             return self._original(pixel_values_videos, video_grid_thw, **kwargs)
         return self._encode_survivors(pixel_values_videos, video_grid_thw, [e.kept for e in encoded], kwargs)
+
+    def _contexts(self, ctx: Context, videos: int) -> list[Context]:
+        """One context per video, each with a generator seeded afresh (as the pre-tower and connect stages)."""
+        return [
+            ctx.replace(video_index=k, generator=torch.Generator(device="cpu").manual_seed(self.seed))
+            for k in range(videos)
+        ]
+
+    def _encode_in_tower(self, pixels: Tensor, grid_thw: Tensor, encoded: list[EncodedVideo], ctx: Context, kwargs):
+        """The Qwen tower block by block with the tower methods (`vtc.hf.tower.QwenTower`) on what the pre-tower
+        methods left; every surviving token is one LLM token at its own cell."""
+        from vtc.hf.tower import QwenTower
+
+        return_dict = kwargs.pop("return_dict", True)
+        output, run = QwenTower(self.adapter).run(
+            pixels, grid_thw, [e.kept for e in encoded], self.pipeline, self._contexts(ctx, len(encoded))
+        )
+        counts = []
+        for e, tokens in zip(encoded, run.tokens):
+            order = torch.argsort(tokens.cell)
+            counts.append((len(e.kept), len(tokens)))
+            e.kept, e.weight = tokens.cell[order], tokens.size[order]
+        for e, rows in zip(encoded, run.records(counts)):
+            e.records.extend(rows)
+        return output if return_dict else output.to_tuple()
+
+    # --- LLaVA: the tower answered block by block inside the model's own get_video_features ------------------
+    def _get_llava_video_features(self, pixel_values_videos: Tensor, *args: Any, **kwargs: Any):
+        if not self.enabled:
+            return self._original(pixel_values_videos, *args, **kwargs)
+        adapter = self.adapter
+        layer = kwargs.get("vision_feature_layer", args[0] if args else None)
+        if layer is None:
+            layer = adapter.model.config.vision_feature_layer
+        if not isinstance(layer, int):
+            raise ValueError(
+                f"vtc's tower methods read one vision_feature_layer; this call concatenates layers {layer}"
+            )
+        batch, frames = pixel_values_videos.shape[:2]
+        ctx = Context(retention=self.pipeline.retention, family=adapter.family, geometry=adapter.geometry)
+        self.pipeline.begin_prompt()
+        self._llava_call = {"frames": [frames] * batch, "layer": layer, "ctx": ctx}
+        try:
+            return self._original(pixel_values_videos, *args, **kwargs)
+        finally:
+            self._llava_call = None
+
+    def _tower_forward(self, pixel_values: Tensor, *args: Any, **kwargs: Any):
+        """The vision tower's forward inside a video call: the encoder block by block up to the feature layer, its
+        output unmerged onto every frame's grid, returned where the model reads it (`hidden_states[layer]`)."""
+        call = self._llava_call
+        if call is None:  # images, or any call outside a video feature call: the tower as it is
+            return self._original_tower(pixel_values, *args, **kwargs)
+        from vtc.hf.adapters.base import tower_feature_layer
+        from vtc.hf.tower import LlavaTower
+
+        adapter = self.adapter
+        _install_output_hooks(adapter.vision_tower)
+        tower = LlavaTower(adapter)
+        frames, num_layers = call["frames"], len(tower.layers)
+        last = tower_feature_layer(call["layer"], num_layers)
+        run = None
+        if self.pipeline.changes_tower((frames[0], tower.side, tower.side)):
+            contexts = self._contexts(call["ctx"], len(frames))
+            features, alive, run = tower.run(pixel_values, frames, last, self.pipeline, contexts)
+        h, w = adapter.frame_grid()
+        encoded, counts = [], []
+        for k, f in enumerate(frames):
+            kept_frames = torch.arange(f) if run is None else alive[k].cpu()
+            kept = (kept_frames[:, None] * (h * w) + torch.arange(h * w)).flatten()
+            weight = None
+            if run is not None:  # a pooled cell stands for as many frames as its frame's tokens do
+                tokens = run.tokens[k]
+                frames_held = torch.zeros(f, device=tokens.size.device).index_add_(0, tokens.frame, tokens.size)
+                frames_held = frames_held[kept_frames.to(frames_held.device)] / (tower.side * tower.side)
+                weight = frames_held.repeat_interleave(h * w)
+            counts.append((f * h * w, kept.numel()))
+            encoded.append(EncodedVideo((f, h, w), kept, [], weight))
+        if run is not None:
+            for e, rows in zip(encoded, run.records(counts)):
+                e.records.extend(rows)
+        self.encoded = encoded
+        if run is None:
+            return self._original_tower(pixel_values, *args, **kwargs)
+        from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+        states: list[Tensor | None] = [None] * (num_layers + 1)
+        states[last + 1] = torch.cat(features)
+        return BaseModelOutputWithPooling(last_hidden_state=states[last + 1], hidden_states=tuple(states))
 
     def _encode_survivors(self, pixels: Tensor, grid_thw: Tensor, kept: list[Tensor], kwargs: dict[str, Any]):
         """The tower on the survivors' rows, its outputs scattered back onto every video's whole grid."""
@@ -188,3 +294,14 @@ class EncodeStage:
         if getattr(output, "deepstack_features", None) is not None:
             output.deepstack_features = [scatter_units(f, kept, units) for f in output.deepstack_features]
         return output if return_dict else output.to_tuple()
+
+
+def _install_output_hooks(tower) -> None:
+    """The output-recording hooks transformers installs on a tower the first time it is asked for hidden states
+    (`maybe_install_capturing_hooks`): vtc answers that call itself, so it installs them as the tower's own forward
+    would, and the model is left as an unpatched run leaves it."""
+    try:
+        from transformers.utils.output_capturing import maybe_install_capturing_hooks
+    except ImportError:  # pragma: no cover - other transformers versions install no such hooks
+        return
+    maybe_install_capturing_hooks(tower)

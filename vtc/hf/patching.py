@@ -165,7 +165,8 @@ class ModelPatch:
             self.vision = VisionCapture(adapter, stats)
             self.vision.install()
         if self.pipeline.has_stage("encode"):
-            mean, std = pixel_normalization(adapter, self.processor)
+            units = "encode_units" in adapter.record.features  # the pixels of merge units (pre-tower methods)
+            mean, std = pixel_normalization(adapter, self.processor) if units else ((), ())
             self.encode = EncodeStage(adapter, self.pipeline, mean, std, seed=self.seed)
             self.encode.install()
         if self.pipeline.needs_prepool:
@@ -373,6 +374,7 @@ class ModelPatch:
             inputs = self._video_inputs(span, embeds, positions, deepstack)
             if encoded is not None:
                 inputs["survivors"] = encoded[k].kept
+                inputs["survivor_weights"] = encoded[k].weight
             tokens, out = connect_video(self.pipeline, ctx=ctx, recorder=self.recorder, **inputs)
             changed |= out is not tokens  # plugins return their input untouched when they keep everything
             outputs.append(out)

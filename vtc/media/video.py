@@ -264,6 +264,27 @@ def synthetic_video(num_frames: int = 64, height: int = 224, width: int = 224, s
     return frames
 
 
+def static_clip(num_frames: int = 32, height: int = 224, width: int = 224, seed: int = 0, object_size: int = 24):
+    """A static-heavy clip, as [T, H, W, 3] uint8: a still background (a slide-like layout of flat panels and a
+    fixed texture, the same bytes in every frame, as a surveillance camera or a screen recording) with one small
+    square moving across it. Most of every frame repeats the frame before exactly."""
+    rng = np.random.default_rng(seed)
+    background = np.full((height, width, 3), (245, 245, 240), dtype=np.uint8)
+    background[: height // 6] = (30, 60, 120)  # a title bar
+    background[height // 3 : 2 * height // 3, width // 8 : width // 2] = (200, 210, 225)  # a panel
+    th, tw = height // 4, width // 3
+    texture = rng.integers(0, 255, size=(th, tw, 3), dtype=np.uint8)
+    background[height - th - 8 : height - 8, width - tw - 8 : width - 8] = texture  # a picture on the slide
+    frames = np.repeat(background[None], num_frames, axis=0)
+    span_y, span_x = max(height - object_size, 1), max(width - object_size, 1)
+    for t in range(num_frames):
+        phase = t / max(num_frames - 1, 1)
+        y0 = int(span_y * (0.25 + 0.5 * phase))
+        x0 = int(span_x * phase)
+        frames[t, y0 : y0 + object_size, x0 : x0 + object_size] = (220, 40, 40)
+    return frames
+
+
 def encode_video(frames: np.ndarray, fps: float = 8.0) -> bytes:
     """Encode frames ([T, H, W, 3] uint8, or grey [T, H, W]: `as_rgb_frames`) as an mp4 (mpeg4 with PyAV, so it
     decodes everywhere) and return its bytes."""

@@ -117,9 +117,10 @@ def cases(
 
 
 def supported_families(method: str) -> list[str]:
-    """The registered families `method` runs on (its card's families: every feature it requires, every
-    vision-tower statistic it reads)."""
-    return list(registry()[method].card.families)
+    """The registered families on which `method` runs (its card's families: every feature it requires, every
+    vision-tower statistic it reads) and reduces the LLM's visual tokens (ToMe on LLaVA saves tower compute only)."""
+    cls = registry()[method]
+    return [f for f in cls.card.families if cls().reduces_llm_tokens(f)]
 
 
 def run(case: Case) -> None:

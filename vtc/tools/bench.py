@@ -214,6 +214,22 @@ def summarize(rows: list[dict[str, Any]], base_rows: list[dict[str, Any]]) -> di
     return summary
 
 
+GENERATED_VIDEOS = ("demo", "static")
+
+
+def bench_video(video: str | None):
+    """A video path as given, or a generated clip: "demo" (default: moving shapes, scene cuts, a static stretch;
+    written to an mp4) or "static" (`vtc.media.video.static_clip`: a still slide-like background with one small
+    moving square, 96 frames of 336 px at 8 fps, handed over as frames, so repeats stay bit-exact)."""
+    if video in (None, "demo"):
+        return demo_clip()
+    if video == "static":
+        from vtc.media.video import VideoSource, static_clip
+
+        return VideoSource.open(static_clip(96, 336, 336), fps=8.0)
+    return video
+
+
 def bench(
     model: str | None = None,
     video: str | None = None,
@@ -246,7 +262,8 @@ def bench(
         with console.status(f"loading {model}"):
             net, processor = load_model(model, dtype=dtype)
         name = model
-    video = video or demo_clip()
+    video_name = video or "demo"
+    video = bench_video(video)
     inputs = vtc.prepare_inputs(processor, video, BENCH_QUESTION, "uniform", num_frames=frames)
     inputs = inputs.to(next(net.parameters()).device)
     num_layers = len(vtc.api.resolve_adapter(net).decoder_layers)
@@ -308,7 +325,7 @@ def bench(
     report = {
         "model": name,
         "family": vtc.api.resolve_adapter(net).family,
-        "video": video,
+        "video": video_name,
         "frames": frames,
         "visual_tokens": visual,
         "text_tokens": text_tokens,

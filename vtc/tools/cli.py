@@ -345,7 +345,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="time prefill / TTFT / memory for methods x retentions")
     bench.add_argument("--model", help="HF model id or local path (default: mid-size random-weight model)")
-    bench.add_argument("--video", help="video file (default: the generated demo clip)")
+    bench.add_argument(
+        "--video",
+        help="video file, or a generated clip: demo (default: moving shapes, scene cuts) or static (a still "
+        "background with a small moving square; hf only)",
+    )
     bench.add_argument("--family", help="family of the random model (default qwen2_vl; vllm: qwen2_5_vl)")
     bench.add_argument(
         "--size",
@@ -432,7 +436,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--methods",
         required=True,
-        help="connect-stage methods (vidcom2), a frame sampler before them (bolt+vidcom2); see docs/serving.md",
+        help="connect-stage methods (vidcom2), a frame sampler before them (bolt+vidcom2), on Qwen an encode method "
+        "(pixelprune, pixelprune-video+random); see docs/serving.md",
     )
     serve.add_argument("--retention", type=float, help="fraction of each video's tokens the LLM sees, in (0, 1]")
     serve.add_argument("--param", action="append", metavar="NAME=VALUE", help="method parameter, e.g. k=3")

@@ -33,7 +33,7 @@ FAMILY = Family(
     frame_rule="floor",
     media_kwargs=("pixel_values_videos", "mm_encoder_outputs"),
     vision_stats=frozenset({"received", "cls", "keys", "features"}),
-    features=frozenset({"patch_grid", "prepool", "cls_token", "streaming"}),
+    features=frozenset({"tower_blocks", "patch_grid", "prepool", "cls_token", "streaming"}),
     tiny="vtc.testing.tiny:build_llava_next_video",
 )
 

@@ -30,7 +30,7 @@ FAMILY = Family(
     frame_rule="floor",
     media_kwargs=("pixel_values_videos", "mm_encoder_outputs"),
     vision_stats=frozenset({"received", "keys", "features"}),
-    features=frozenset({"patch_grid", "prepool", "streaming"}),
+    features=frozenset({"tower_blocks", "patch_grid", "prepool", "streaming"}),
     tiny="vtc.testing.tiny:build_llava_onevision",
 )
 

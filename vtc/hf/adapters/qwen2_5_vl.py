@@ -23,7 +23,7 @@ FAMILY = Family(
     frame_rule="round",
     media_kwargs=QWEN_MEDIA_KWARGS,
     vision_stats=QWEN_VISION_STATS,
-    features=frozenset({"mrope", "merge_units", "encode_units", "timestamps", "streaming"}),
+    features=frozenset({"tower_blocks", "mrope", "merge_units", "encode_units", "timestamps", "streaming"}),
     tiny="vtc.testing.tiny:build_qwen2_5_vl",
 )
 

@@ -28,7 +28,9 @@ FAMILY = Family(
     frame_rule="round",
     media_kwargs=QWEN_MEDIA_KWARGS,
     vision_stats=QWEN_VISION_STATS,
-    features=frozenset({"mrope", "merge_units", "encode_units", "deepstack", "timestamps", "frame_text", "streaming"}),
+    features=frozenset(
+        {"tower_blocks", "mrope", "merge_units", "encode_units", "deepstack", "timestamps", "frame_text", "streaming"}
+    ),
     tiny="vtc.testing.tiny:build_qwen3_vl",
 )
 

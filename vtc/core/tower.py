@@ -1,0 +1,195 @@
+"""What an encode-stage method sees inside the vision tower: `TowerTokens`, one video's tokens between two blocks.
+
+A tower method (`vtc.core.bases.TowerMerger`) is called at fixed points of every block: after the block's attention
+(before its MLP, where ToMe merges) and after the whole block (where EarlyTom mixes frames). It changes the tokens
+only through `merge`, which keeps, folds and drops whole tokens, so the backend knows for every token where it came
+from (`origin`) and which original cells it stands for (`holder`), and can carry its own per-token state (rotary
+rows, windows, attention segments) along.
+
+A token is what one LLM token is made of at the end of the tower: on the Qwen towers a merge unit (the merge x merge
+patches the merger folds into one LLM token), so a merge keeps complete units and the merger still gets complete
+groups; on SigLIP / CLIP (LLaVA) one patch, and a CLIP class token, which has no cell.
+
+Tokens are grouped by frame (temporal patch), frames in ascending order and contiguous, a class token first in its
+frame; within a frame the order is the method's (ToMe's `[unmerged A ; B]` order is not the spatial one). Attention
+never depends on that order: every token carries its own position.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+Tensor = torch.Tensor
+Grid = tuple[int, int, int]
+
+# where a tower method is called: once after the patch embedding (layer -1, before the first block), then after every
+# block's attention and after every block
+POINTS = ("embedded", "after_attention", "after_block")
+
+
+@dataclasses.dataclass
+class TowerTokens:
+    """One video's tokens inside the vision tower, at one point of one block.
+
+    hidden   [N, unit, D]: hidden states (unit = patches per token: merge**2 on the Qwen towers, 1 on SigLIP / CLIP)
+    cell     [N] long: the original tower cell each token sits at, t * H * W + h * W + w on `grid` (its position, which
+             it keeps through merges); -1 for a class token
+    frame    [N] long: the frame (temporal patch) of each token, ascending
+    size     [N] float: how many original tokens each stands for (ToMe's `size`; 1 before any merge)
+    holder   [C] long: for every original cell of `grid` (C = T * H * W), the token now holding it (-1: dropped
+             before or inside the tower)
+    grid     (T, H, W): the tower's token grid (merge units on the Qwen towers, patches on SigLIP / CLIP)
+    layer    the block (0-based) of `num_layers` (the blocks that run: on LLaVA up to the layer whose output the
+             projector reads); -1 at "embedded"
+    point    "embedded" (the patch embedding with the tower's absolute position embedding, before the first block),
+             "after_attention" (the block's attention residual added, its MLP not run yet) or "after_block"
+    keys     [N, unit, heads, head_dim]: the block's attention keys before any rotary embedding, at "after_attention"
+             for methods with `needs_keys`; else None
+    received [N]: the attention each token receives within its frame (mean over heads and over the frame's queries),
+             at "after_attention" of the blocks a method lists in `attention_layers`; else None
+    pixels   [N, unit, P]: the patches as the patch embedding received them (the processor's normalised values, each
+             patch flattened in the embedding's weight order), at "embedded"; a class token has zeros; else None
+    origin   [N] long: each token's index among the tokens this hook call received (the backend's bookkeeping)
+    """
+
+    hidden: Tensor
+    cell: Tensor
+    frame: Tensor
+    size: Tensor
+    holder: Tensor
+    grid: Grid
+    layer: int
+    num_layers: int
+    point: str
+    keys: Tensor | None = None
+    received: Tensor | None = None
+    pixels: Tensor | None = None
+    origin: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.origin is None:
+            self.origin = torch.arange(len(self), device=self.hidden.device)
+
+    def __len__(self) -> int:
+        return int(self.hidden.shape[0])
+
+    @property
+    def num_frames(self) -> int:
+        return self.grid[0]
+
+    @property
+    def has_class_token(self) -> bool:
+        return bool((self.cell < 0).any())
+
+    def frame_lengths(self) -> Tensor:
+        """[T] tokens per frame (a frame folded into another has 0)."""
+        return torch.bincount(self.frame, minlength=self.num_frames)
+
+    def frame_batches(self) -> list[tuple[Tensor, Tensor]]:
+        """The frames that still have tokens, grouped by their token count: (frames [f], index [f, n]) per group,
+        row i of `index` holding the tokens of frames[i] in their order. A method that works per frame (ToMe matches
+        within one image) batches each group."""
+        lengths = self.frame_lengths()
+        starts = torch.cumsum(lengths, 0) - lengths
+        out = []
+        for n in torch.unique(lengths[lengths > 0]).tolist():
+            frames = torch.nonzero(lengths == n).flatten()
+            index = starts[frames][:, None] + torch.arange(n, device=frames.device)
+            out.append((frames, index.to(self.hidden.device)))
+        return out
+
+    def merge(
+        self,
+        keep: Tensor,
+        src: Tensor | None = None,
+        dst: Tensor | None = None,
+        hidden: Tensor | None = None,
+        size: Tensor | None = None,
+    ) -> TowerTokens:
+        """The tokens after a merge: `keep` [K] (indices of the tokens that remain, in their new order: frames stay
+        ascending and contiguous), `src` -> `dst` [M] (tokens folded into remaining ones; `dst` indexes the current
+        tokens and must be kept); tokens neither kept nor folded are dropped.
+
+        hidden [K, unit, D]: the remaining tokens' new hidden states (a method that computes them itself, e.g. ToMe's
+        official weighted average); None: each remaining token's size-weighted average with what folds into it.
+        size [K]: their new sizes; None: their size plus the sizes folded into them."""
+        device = self.hidden.device
+        keep = torch.as_tensor(keep, dtype=torch.long, device=device).flatten()
+        src = torch.zeros(0, dtype=torch.long, device=device) if src is None else torch.as_tensor(src, device=device)
+        dst = torch.zeros(0, dtype=torch.long, device=device) if dst is None else torch.as_tensor(dst, device=device)
+        src, dst = src.long().flatten(), dst.long().flatten()
+        n = len(self)
+        if not keep.numel():
+            raise ValueError("merge: keep at least one token of the video")
+        slot = torch.full((n,), -1, dtype=torch.long, device=device)  # old token -> new index
+        slot[keep] = torch.arange(keep.numel(), device=device)
+        if torch.unique(keep).numel() != keep.numel() or int(keep.min()) < 0 or int(keep.max()) >= n:
+            raise ValueError(f"merge: keep must index distinct tokens in [0, {n}), got {keep.tolist()}")
+        if src.numel() != dst.numel():
+            raise ValueError(
+                f"merge: src and dst must pair up, got {src.numel()} sources and {dst.numel()} destinations"
+            )
+        if src.numel():
+            if bool((slot[dst] < 0).any()):
+                raise ValueError("merge: every destination must be a kept token")
+            if bool((slot[src] >= 0).any()) or torch.unique(src).numel() != src.numel():
+                raise ValueError("merge: a folded token cannot be kept or folded twice")
+        new_frame = self.frame[keep]
+        if bool((new_frame[1:] < new_frame[:-1]).any()):
+            raise ValueError("merge: keep the frames in ascending order, each frame's tokens together")
+        target = slot.clone()
+        target[src] = slot[dst]  # where each old token's content goes (-1: dropped)
+        folded_size = torch.zeros(keep.numel(), dtype=self.size.dtype, device=device)
+        folded_size.index_add_(0, target[src], self.size[src])
+        new_size = self.size[keep] + folded_size if size is None else torch.as_tensor(size, device=device)
+        if hidden is None:
+            weighted = self.hidden.float() * self.size.float()[:, None, None]
+            total = weighted[keep].clone()
+            total.index_add_(0, target[src], weighted[src])
+            hidden = (total / new_size.float()[:, None, None]).to(self.hidden.dtype)
+        elif hidden.shape[0] != keep.numel() or hidden.shape[1:] != self.hidden.shape[1:]:
+            raise ValueError(
+                f"merge: hidden must be [{keep.numel()}, {', '.join(map(str, self.hidden.shape[1:]))}], "
+                f"got {tuple(hidden.shape)}"
+            )
+        held = self.holder >= 0
+        holder = self.holder.clone()
+        holder[held] = target[self.holder[held]]
+        return dataclasses.replace(
+            self,
+            hidden=hidden,
+            cell=self.cell[keep],
+            frame=new_frame,
+            size=new_size,
+            holder=holder,
+            keys=None if self.keys is None else self.keys[keep],
+            received=None if self.received is None else self.received[keep],
+            pixels=None if self.pixels is None else self.pixels[keep],
+            origin=self.origin[keep],
+        )
+
+    def with_hidden(self, hidden: Tensor) -> TowerTokens:
+        """The same tokens with new hidden states [N, unit, D] (a method that changes values, not tokens)."""
+        if hidden.shape != self.hidden.shape:
+            raise ValueError(f"with_hidden: expected {tuple(self.hidden.shape)}, got {tuple(hidden.shape)}")
+        return dataclasses.replace(self, hidden=hidden)
+
+    def survivors(self) -> Tensor:
+        """The cells whose own token still exists (a kept token sits at its own cell), ascending: what reaches the LLM
+        where every token is one LLM token (the Qwen towers)."""
+        cells = self.cell[self.cell >= 0]
+        return torch.sort(cells).values
+
+
+def initial_tokens(hidden: Tensor, cells: Tensor, frame: Tensor, grid: Grid, num_layers: int) -> TowerTokens:
+    """The tokens of one video as the tower's first block receives them: `hidden` [N, unit, D] at `cells` [N] (-1 for
+    a class token, which leads its frame) in frames `frame` [N] (ascending)."""
+    device = hidden.device
+    cells, frame = cells.to(device).long(), frame.to(device).long()
+    holder = torch.full((grid[0] * grid[1] * grid[2],), -1, dtype=torch.long, device=device)
+    own = cells >= 0
+    holder[cells[own]] = torch.nonzero(own).flatten()
+    size = torch.ones(cells.numel(), device=device)
+    return TowerTokens(hidden, cells, frame, size, holder, grid, -1, num_layers, "embedded")

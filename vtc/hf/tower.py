@@ -1,0 +1,415 @@
+"""The vision tower run block by block (HF backend), so encode methods can merge or drop tokens between its blocks
+(`vtc.core.bases.TowerMerger`, `vtc.core.tower.TowerTokens`).
+
+vtc calls the tower's own modules in the tower's own order (patch embedding, position embeddings, every block's
+norm / attention / MLP, DeepStack taps, merger) and, after every block's attention and after every block, hands each
+video's tokens to the pipeline's tower methods (`Pipeline.run_encode_block`). What it keeps for the tokens itself:
+their rotary rows (Qwen: a merged token keeps its own), their frame and window (the attention segments: Qwen attends
+per temporal patch, Qwen2.5-VL within windows in most blocks, SigLIP / CLIP per frame) and their sizes.
+
+Attention: the block's own attention module (the model's attention implementation, FlashAttention varlen included)
+unless a method asks for proportional attention (ToMe: log(size) added to every key's logits), which vtc then
+computes with SDPA and that bias from the block's own projections. The keys a method reads are the block's key
+projection before the rotary embedding (`needs_keys`). The Qwen towers:
+
+    QwenTower.run: the survivors of the pre-tower methods in, every video's merger output out, scattered onto its
+    whole token grid (merged-away units are zero rows; the LLM keeps only the survivors, at their own (t, h, w)).
+
+SigLIP / CLIP (LLaVA): `LlavaTower.run` runs the encoder up to the layer whose output the projector reads (the
+later layers' outputs are never used), then unmerges every frame's tokens onto its patch grid (each patch gets the
+token holding it, ToMe's source map) so the model's own projector and pooling see a whole grid; a frame folded into
+another frame (EarlyTom) is a zero frame there and leaves the LLM's input.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from vtc.core.pipeline import Pipeline
+from vtc.core.tokens import Context
+from vtc.core.tower import TowerTokens, initial_tokens
+
+Tensor = torch.Tensor
+
+
+def segment_attention(q: Tensor, k: Tensor, v: Tensor, lengths: list[int], scale: float, bias: Tensor | None) -> Tensor:
+    """Attention within consecutive segments of packed q, k, v [n, heads, head_dim] (`lengths` sum to n), with an
+    additive per-key `bias` [n] (None: none), by SDPA; segments of equal length run as one batch. Returns
+    [n, heads, head_dim]."""
+    out = torch.empty_like(q)
+    starts = [0]
+    for length in lengths[:-1]:
+        starts.append(starts[-1] + length)
+    by_length: dict[int, list[int]] = {}
+    for start, length in zip(starts, lengths):
+        by_length.setdefault(length, []).append(start)
+    for length, group in by_length.items():
+        index = (torch.tensor(group, device=q.device)[:, None] + torch.arange(length, device=q.device)).flatten()
+        shape = (len(group), length, q.shape[1], q.shape[2])
+        qs, ks, vs = (x[index].view(shape).transpose(1, 2) for x in (q, k, v))
+        mask = None if bias is None else bias[index].view(len(group), 1, 1, length).to(qs.dtype)
+        attended = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
+        out[index] = attended.transpose(1, 2).reshape(-1, q.shape[1], q.shape[2])
+    return out
+
+
+class TowerRun:
+    """Bookkeeping of one tower call over several videos: each video's `TowerTokens` (whose `hidden` is filled in at
+    hook time from the packed tower state), the pipeline, one context per video, and what the methods did."""
+
+    def __init__(self, pipeline: Pipeline, ctxs: list[Context], tokens: list[TowerTokens]) -> None:
+        self.pipeline = pipeline
+        self.ctxs = ctxs
+        self.tokens = tokens
+        self.tally: list[dict[str, list]] = [{} for _ in tokens]
+        self.start_counts = [len(t) for t in tokens]
+
+    @property
+    def counts(self) -> list[int]:
+        return [len(t) for t in self.tokens]
+
+    def hook(self, hidden: Tensor, layer: int, point: str, **extra: Tensor | None) -> Tensor | None:
+        """Hand every video's tokens (packed `hidden` [N, unit, D], videos in order; `extra`: packed `keys`,
+        `received`, `pixels` where this point offers them) to the tower methods. Returns the gather index [N'] of the
+        new packed order into the old one (the new hidden states in `new_hidden`), or None when nothing changed."""
+        changed = False
+        new_hidden, gather, offset = [], [], 0
+        for v, tokens in enumerate(self.tokens):
+            n = len(tokens)
+            tokens.hidden = hidden[offset : offset + n]
+            for name in ("keys", "received", "pixels"):
+                value = extra.get(name)
+                setattr(tokens, name, None if value is None else value[offset : offset + n])
+            tokens.layer, tokens.point = layer, point
+            tokens.origin = torch.arange(n, device=hidden.device)
+            out = self.pipeline.run_encode_block(tokens, self.ctxs[v], self.tally[v])
+            changed |= out is not tokens
+            out.keys = out.received = out.pixels = None
+            self.tokens[v] = out
+            new_hidden.append(out.hidden)
+            gather.append(out.origin + offset)
+            offset += n
+        if not changed:
+            return None
+        self.new_hidden = torch.cat(new_hidden)
+        return torch.cat(gather)
+
+    def records(self, name_counts: list[tuple[int, int]]) -> list[list[tuple]]:
+        """Per video, one (method, tokens in, tokens out, seconds, reports) record per tower method; `name_counts`
+        gives each video's (in, out) count at the level the LLM sees (units, or pooled cells on LLaVA)."""
+        out = []
+        for v, (n_in, n_out) in enumerate(name_counts):
+            rows = []
+            for e in self.pipeline.tower_entries():
+                removed, seconds, reports = self.tally[v].get(e.card.name, [0, 0.0, {}])
+                tower = {
+                    "tower_tokens_in": [self.start_counts[v]],
+                    "tower_tokens_out": [self.start_counts[v] - removed],
+                }
+                reports = {**reports, **tower}
+                rows.append((e.card.name, n_in, n_out, seconds, reports))
+            out.append(rows)
+        return out
+
+
+# --- the Qwen towers ----------------------------------------------------------------------------------------------
+
+
+class QwenTower:
+    """Qwen2-VL, Qwen2.5-VL and Qwen3-VL's towers block by block (a token is one merge unit)."""
+
+    def __init__(self, adapter) -> None:
+        self.adapter = adapter
+        self.visual = adapter.vision_tower
+        config = adapter.model.config.vision_config
+        self.merge = int(config.spatial_merge_size)
+        self.unit = self.merge * self.merge
+        self.windowed = hasattr(self.visual, "fullatt_block_indexes")
+        if self.windowed:  # units per window side (the tower's `vit_merger_window_size`)
+            self.window = int(config.window_size) // self.merge // int(config.patch_size)
+        self.deepstack = list(getattr(self.visual, "deepstack_visual_indexes", None) or [])
+
+    def run(
+        self, pixels: Tensor, grid_thw: Tensor, kept: list[Tensor], pipeline: Pipeline, ctxs: list[Context]
+    ) -> tuple[Any, TowerRun]:
+        """The tower on the survivors `kept` (units per video, ascending) of `pixels` [rows, C*tp*P*P], with the
+        pipeline's tower methods between blocks. Returns the tower's output (pooler_output: one [units, D] per video
+        on its whole grid, zero rows where no token survived; DeepStack features alike) and the run."""
+        from vtc.hf.encode import survivor_rows
+
+        visual, unit, merge = self.visual, self.unit, self.merge
+        grids = [(int(t), int(h) // merge, int(w) // merge) for t, h, w in grid_thw.tolist()]
+        units = [t * h * w for t, h, w in grids]
+        rows = survivor_rows(kept, units, unit).to(pixels.device)
+        inputs = self.adapter.survivor_tower_inputs(grid_thw, kept, rows)
+        x = visual.patch_embed(pixels[rows].type(visual.dtype))
+        if "interp_indices" in inputs:  # Qwen3-VL: the learned position embedding, interpolated to the grid
+            pos = (visual.pos_embed(inputs["interp_indices"]) * inputs["interp_weights"][:, :, None]).sum(1)
+            x = x + pos.to(x.dtype)
+        cos, sin = visual.rotary_pos_emb(x, inputs["position_ids"])
+        dim = x.shape[-1]
+        x = x.view(-1, unit, dim)
+        cos, sin = cos.reshape(x.shape[0], unit, -1), sin.reshape(x.shape[0], unit, -1)
+        patches = pixels[rows].view(x.shape[0], unit, -1)
+        tokens, start = [], 0
+        for k, grid in zip(kept, grids):
+            k = k.to(x.device)
+            frame = torch.div(k, grid[1] * grid[2], rounding_mode="floor")
+            tokens.append(initial_tokens(x[start : start + k.numel()], k, frame, grid, len(visual.blocks)))
+            start += k.numel()
+        run = TowerRun(pipeline, ctxs, tokens)
+        keys_wanted, proportional = pipeline.tower_needs_keys, pipeline.proportional_attention
+        if pipeline.tower_attention_layers(len(visual.blocks)):
+            raise ValueError(
+                f"{', '.join(e.card.name for e in pipeline.tower_entries())}: the attention tokens receive inside a "
+                f"block is offered on LLaVA's SigLIP / CLIP towers, not yet inside the {self.adapter.family} tower"
+            )
+        x, cos, sin = self._hook(run, x, cos, sin, -1, "embedded", pixels=patches)
+        taps: list[tuple[Tensor, list[TowerTokens]]] = []
+        for layer, block in enumerate(visual.blocks):
+            windows = self.windowed and layer not in visual.fullatt_block_indexes
+            bias = self._bias(run) if proportional else None
+            attended, keys = self._attention(
+                block, block.norm1(x.flatten(0, 1)).view_as(x), cos, sin, run, windows, bias, keys_wanted
+            )
+            x = x + attended
+            x, cos, sin = self._hook(run, x, cos, sin, layer, "after_attention", keys=keys)
+            x = x + block.mlp(block.norm2(x.flatten(0, 1))).view_as(x)
+            x, cos, sin = self._hook(run, x, cos, sin, layer, "after_block")
+            if layer in self.deepstack:
+                tap = visual.deepstack_merger_list[self.deepstack.index(layer)](x.flatten(0, 1))
+                taps.append((tap, [t for t in run.tokens]))
+        merged = visual.merger(x.flatten(0, 1))
+        output = self._output(visual, x, merged, run.tokens, units, taps)
+        return output, run
+
+    def _hook(self, run: TowerRun, x, cos, sin, layer: int, point: str, **extra):
+        gather = run.hook(x, layer, point, **extra)
+        if gather is None:
+            return x, cos, sin
+        return run.new_hidden, cos[gather], sin[gather]
+
+    def _bias(self, run: TowerRun) -> Tensor:
+        """log(size) of every patch (a unit's patches share its size)."""
+        size = torch.cat([t.size for t in run.tokens])
+        return size.log().repeat_interleave(self.unit)
+
+    def _segments(self, run: TowerRun, windows: bool) -> tuple[Tensor | None, list[int]]:
+        """The order that makes every attention segment contiguous (None: the packed order already is) and the
+        segments' lengths in tokens: one per temporal patch of every video, or per window of it."""
+        keys, frames_before = [], 0
+        for tokens in run.tokens:
+            key = tokens.frame + frames_before
+            frames_before += tokens.grid[0]
+            if windows:
+                _, h, w = tokens.grid
+                row, col = (tokens.cell // w) % h, tokens.cell % w
+                per_row = -(-w // self.window)
+                window = (row // self.window) * per_row + col // self.window
+                key = key * (-(-h // self.window) * per_row) + window
+            keys.append(key)
+        key = torch.cat(keys)
+        order = None
+        if bool((key[1:] < key[:-1]).any()):
+            order = torch.sort(key, stable=True).indices
+            key = key[order]
+        return order, torch.unique_consecutive(key, return_counts=True)[1].tolist()
+
+    def _attention(self, block, h: Tensor, cos, sin, run: TowerRun, windows: bool, bias, keys_wanted: bool):
+        """The block's attention on normed `h` [N, unit, D] (its own module, or SDPA with `bias` per patch), and the
+        keys before the rotary embedding [N, unit, heads, head_dim] when asked."""
+        attn = block.attn
+        order, lengths = self._segments(run, windows)
+        n, unit, dim = h.shape
+        if order is not None:
+            h, cos, sin = h[order], cos[order], sin[order]
+            bias = None if bias is None else bias.view(n, unit)[order].flatten()
+        flat, cos, sin = h.flatten(0, 1), cos.flatten(0, 1), sin.flatten(0, 1)
+        lengths = [length * unit for length in lengths]
+        keys = None
+        if bias is None:
+            captured: list[Tensor] = []
+            handle = attn.qkv.register_forward_hook(lambda m, a, out: captured.append(out)) if keys_wanted else None
+            cu = F.pad(torch.tensor(lengths, device=flat.device).cumsum(0, dtype=torch.int32), (1, 0))
+            try:
+                out = attn(flat, cu_seqlens=cu, position_embeddings=(cos, sin))
+            finally:
+                if handle is not None:
+                    handle.remove()
+            if keys_wanted:
+                keys = captured[0].view(n * unit, 3, attn.num_heads, -1)[:, 1]
+        else:
+            rotate = sys.modules[type(attn).__module__].apply_rotary_pos_emb_vision
+            q, k, v = attn.qkv(flat).view(n * unit, 3, attn.num_heads, -1).unbind(1)
+            keys = k
+            q, k = rotate(q, k, cos, sin)
+            out = attn.proj(segment_attention(q, k, v, lengths, attn.scaling, bias).reshape(n * unit, -1))
+        out = out.view(n, unit, dim)
+        keys = None if (keys is None or not keys_wanted) else keys.reshape(n, unit, attn.num_heads, -1)
+        if order is not None:
+            inverse = torch.empty_like(order)
+            inverse[order] = torch.arange(order.numel(), device=order.device)
+            out = out[inverse]
+            keys = None if keys is None else keys[inverse]
+        return out, keys
+
+    def _output(self, visual, x: Tensor, merged: Tensor, tokens: list[TowerTokens], units: list[int], taps):
+        """The tower's output object, each video's rows scattered onto its whole grid by their cells."""
+        pooler = _scatter_by_cell(merged, tokens, units)
+        module = sys.modules[type(visual).__module__]
+        if self.deepstack:
+            features = [_scatter_by_cell(tap, at, units) for tap, at in taps]
+            return module.BaseModelOutputWithDeepstackFeatures(
+                last_hidden_state=x.flatten(0, 1), pooler_output=pooler, deepstack_features=features
+            )
+        return module.BaseModelOutputWithPooling(last_hidden_state=x.flatten(0, 1), pooler_output=pooler)
+
+
+def _scatter_by_cell(values: Tensor, tokens: list[TowerTokens], units: list[int]) -> tuple[Tensor, ...]:
+    """Per video [units, D]: the rows of `values` (videos' tokens packed in order) at their tokens' cells, zeros
+    elsewhere."""
+    out, start = [], 0
+    for t, n in zip(tokens, units):
+        full = values.new_zeros(n, values.shape[-1])
+        full[t.cell] = values[start : start + len(t)]
+        out.append(full)
+        start += len(t)
+    return tuple(out)
+
+
+# --- SigLIP / CLIP (LLaVA) ---------------------------------------------------------------------------------------
+
+
+class LlavaTower:
+    """LLaVA's SigLIP / CLIP tower block by block: every frame is one batch item of `side x side` patches (plus a
+    CLIP class token); tokens stay dense (every frame of a call keeps the same count)."""
+
+    def __init__(self, adapter) -> None:
+        self.adapter = adapter
+        self.model = getattr(adapter.vision_tower, "vision_model", adapter.vision_tower)
+        self.layers = list(self.model.encoder.layers)
+        self.side = adapter.patch_side
+        self.class_token = "cls_token" in adapter.record.features
+
+    def run(
+        self, pixels: Tensor, frames: list[int], last_layer: int, pipeline: Pipeline, ctxs: list[Context]
+    ) -> tuple[list[Tensor], list[Tensor], TowerRun]:
+        """The encoder on `pixels` [sum frames, C, H, W] up to encoder layer `last_layer` (0-based) with the pipeline's
+        tower methods between blocks. Returns per video the output of `last_layer` unmerged onto every frame's
+        tokens [frames, (1 +) side * side, D] (a frame folded into another: zeros), the frames that kept tokens of
+        their own, and the run."""
+        side, cls = self.side, int(self.class_token)
+        per_frame = side * side + cls
+        x = self.model.embeddings(pixels.type(self.model.embeddings.patch_embedding.weight.dtype))
+        if hasattr(self.model, "pre_layrnorm"):  # CLIP
+            x = self.model.pre_layrnorm(x)
+        dim = x.shape[-1]
+        x = x.reshape(-1, 1, dim)
+        tokens, start = [], 0
+        patch = torch.arange(side * side, device=x.device)
+        for f in frames:
+            frame = torch.arange(f, device=x.device).repeat_interleave(per_frame)
+            cells = torch.cat([torch.cat([patch.new_full((cls,), -1), i * side * side + patch]) for i in range(f)])
+            tokens.append(
+                initial_tokens(x[start : start + f * per_frame], cells, frame, (f, side, side), last_layer + 1)
+            )
+            start += f * per_frame
+        run = TowerRun(pipeline, ctxs, tokens)
+        keys_wanted, proportional = pipeline.tower_needs_keys, pipeline.proportional_attention
+        attention_layers = pipeline.tower_attention_layers(last_layer + 1)
+        x = self._hook(run, x, -1, "embedded", pixels=self._patches(pixels, x.dtype))
+        for layer in range(last_layer + 1):
+            block = self.layers[layer]
+            dense = self._dense(run, x, dim)
+            bias = torch.cat([t.size for t in run.tokens]).log().view(dense.shape[:2]) if proportional else None
+            normed = block.layer_norm1(dense)
+            attended, keys = self._attention(block, normed, bias, keys_wanted)
+            received = self._received(block.self_attn, normed) if layer in attention_layers else None
+            x = (dense + attended).reshape(-1, 1, dim)
+            x = self._hook(run, x, layer, "after_attention", keys=keys, received=received)
+            dense = self._dense(run, x, dim)
+            x = (dense + block.mlp(block.layer_norm2(dense))).reshape(-1, 1, dim)
+            x = self._hook(run, x, layer, "after_block")
+        features, alive, offset = [], [], 0
+        for t, f in zip(run.tokens, frames):
+            hidden = x[offset : offset + len(t), 0]
+            offset += len(t)
+            features.append(self._unmerge(t, hidden, f))
+            alive.append(torch.unique(t.frame))
+        return features, alive, run
+
+    def _dense(self, run: TowerRun, x: Tensor, dim: int) -> Tensor:
+        """x as [frames, tokens per frame, D]; refuses a call whose frames were left with different counts."""
+        lengths = torch.cat([t.frame_lengths() for t in run.tokens])
+        lengths = lengths[lengths > 0]
+        if bool((lengths != lengths[0]).any()):
+            raise RuntimeError(
+                f"the tower methods {', '.join(e.card.name for e in run.pipeline.tower_entries())} left the frames of "
+                f"one SigLIP/CLIP call with different token counts ({sorted(set(lengths.tolist()))}); this tower runs "
+                "every frame as one batch item, so every frame must keep the same number of tokens"
+            )
+        return x.view(-1, int(lengths[0]), dim)
+
+    def _hook(self, run: TowerRun, x: Tensor, layer: int, point: str, **extra) -> Tensor:
+        gather = run.hook(x, layer, point, **extra)
+        return x if gather is None else run.new_hidden
+
+    def _patches(self, pixels: Tensor, dtype: torch.dtype) -> Tensor:
+        """[frames * tokens, 1, C * P * P]: every frame's patches in the patch embedding's weight order (a class
+        token: zeros)."""
+        patch = self.model.embeddings.patch_embedding.kernel_size[0]
+        patches = F.unfold(pixels.to(dtype), kernel_size=patch, stride=patch).transpose(1, 2)  # [F, S, C*P*P]
+        if self.class_token:
+            patches = F.pad(patches, (0, 0, 1, 0))
+        return patches.reshape(-1, 1, patches.shape[-1])
+
+    @staticmethod
+    def _received(attn, normed: Tensor) -> Tensor:
+        """[frames * n]: the attention each token receives in its frame, mean over heads and queries."""
+        from vtc.core.vision_stats import frame_stats
+
+        frames, n, _ = normed.shape
+        shape = (frames, n, attn.num_heads, -1)
+        q, k = (proj(normed).view(shape).transpose(1, 2) for proj in (attn.q_proj, attn.k_proj))
+        return (frame_stats(q, k, attn.scale, {"received"})["received"] / n).flatten()
+
+    def _attention(self, block, h: Tensor, bias: Tensor | None, keys_wanted: bool):
+        """The layer's attention on normed `h` [frames, n, D]: its own module, or SDPA with the per-key `bias`
+        [frames, n]; and the keys [frames * n, 1, heads, head_dim] when asked."""
+        attn = block.self_attn
+        frames, n, dim = h.shape
+        keys = None
+        if bias is None:
+            out = attn(hidden_states=h, attention_mask=None)[0]
+            if keys_wanted:
+                keys = attn.k_proj(h).view(frames * n, 1, attn.num_heads, -1)
+            return out, keys
+        shape = (frames, n, attn.num_heads, -1)
+        q, k, v = (proj(h).view(shape).transpose(1, 2) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+        mask = bias[:, None, None, :].to(q.dtype)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scale)
+        out = attn.out_proj(out.transpose(1, 2).reshape(frames, n, dim))
+        if keys_wanted:
+            keys = k.transpose(1, 2).reshape(frames * n, 1, attn.num_heads, -1)
+        return out, keys
+
+    def _unmerge(self, tokens: TowerTokens, hidden: Tensor, frames: int) -> Tensor:
+        """[frames, (1 +) side^2, D]: every cell of a frame that kept tokens of its own gets the token holding it
+        (the class token its own), other frames zeros."""
+        side2 = self.side * self.side
+        cls = int(self.class_token)
+        out = hidden.new_zeros(frames, side2 + cls, hidden.shape[-1])
+        alive = torch.unique(tokens.frame)
+        cells = (alive[:, None] * side2 + torch.arange(side2, device=alive.device)).flatten()
+        holder = tokens.holder[cells]
+        if bool((holder < 0).any()):
+            raise RuntimeError("a tower method dropped patches of a frame whose grid LLaVA's pooling needs whole")
+        out[alive, cls:] = hidden[holder].view(alive.numel(), side2, -1)
+        if cls:
+            first = torch.nonzero(tokens.cell < 0).flatten()
+            out[tokens.frame[first], 0] = hidden[first]
+        return out
