@@ -18,8 +18,14 @@ never depends on that order: every token carries its own position.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:  # pragma: no cover
+    from vtc.core.pipeline import Pipeline
+    from vtc.core.tokens import Context
 
 Tensor = torch.Tensor
 Grid = tuple[int, int, int]
@@ -193,3 +199,86 @@ def initial_tokens(hidden: Tensor, cells: Tensor, frame: Tensor, grid: Grid, num
     holder[cells[own]] = torch.nonzero(own).flatten()
     size = torch.ones(cells.numel(), device=device)
     return TowerTokens(hidden, cells, frame, size, holder, grid, -1, num_layers, "embedded")
+
+
+# --- what every backend's block-by-block tower shares ------------------------------------------------------------
+
+
+def segment_attention(q: Tensor, k: Tensor, v: Tensor, lengths: list[int], scale: float, bias: Tensor | None) -> Tensor:
+    """Attention within consecutive segments of packed q, k, v [n, heads, head_dim] (`lengths` sum to n), with an
+    additive per-key `bias` [n] (None: none), by SDPA; segments of equal length run as one batch. Returns
+    [n, heads, head_dim]."""
+    out = torch.empty_like(q)
+    starts = [0]
+    for length in lengths[:-1]:
+        starts.append(starts[-1] + length)
+    by_length: dict[int, list[int]] = {}
+    for start, length in zip(starts, lengths):
+        by_length.setdefault(length, []).append(start)
+    for length, group in by_length.items():
+        index = (torch.tensor(group, device=q.device)[:, None] + torch.arange(length, device=q.device)).flatten()
+        shape = (len(group), length, q.shape[1], q.shape[2])
+        qs, ks, vs = (x[index].view(shape).transpose(1, 2) for x in (q, k, v))
+        mask = None if bias is None else bias[index].view(len(group), 1, 1, length).to(qs.dtype)
+        attended = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
+        out[index] = attended.transpose(1, 2).reshape(-1, q.shape[1], q.shape[2])
+    return out
+
+
+class TowerRun:
+    """Bookkeeping of one tower call over several videos: each video's `TowerTokens` (whose `hidden` is filled in at
+    hook time from the packed tower state), the pipeline, one context per video, and what the methods did."""
+
+    def __init__(self, pipeline: Pipeline, ctxs: list[Context], tokens: list[TowerTokens]) -> None:
+        self.pipeline = pipeline
+        self.ctxs = ctxs
+        self.tokens = tokens
+        self.tally: list[dict[str, list]] = [{} for _ in tokens]
+        self.start_counts = [len(t) for t in tokens]
+
+    @property
+    def counts(self) -> list[int]:
+        return [len(t) for t in self.tokens]
+
+    def hook(self, hidden: Tensor, layer: int, point: str, **extra: Tensor | None) -> Tensor | None:
+        """Hand every video's tokens (packed `hidden` [N, unit, D], videos in order; `extra`: packed `keys`,
+        `received`, `pixels` where this point offers them) to the tower methods. Returns the gather index [N'] of the
+        new packed order into the old one (the new hidden states in `new_hidden`), or None when nothing changed."""
+        changed = False
+        new_hidden, gather, offset = [], [], 0
+        for v, tokens in enumerate(self.tokens):
+            n = len(tokens)
+            tokens.hidden = hidden[offset : offset + n]
+            for name in ("keys", "received", "pixels"):
+                value = extra.get(name)
+                setattr(tokens, name, None if value is None else value[offset : offset + n])
+            tokens.layer, tokens.point = layer, point
+            tokens.origin = torch.arange(n, device=hidden.device)
+            out = self.pipeline.run_encode_block(tokens, self.ctxs[v], self.tally[v])
+            changed |= out is not tokens
+            out.keys = out.received = out.pixels = None
+            self.tokens[v] = out
+            new_hidden.append(out.hidden)
+            gather.append(out.origin + offset)
+            offset += n
+        if not changed:
+            return None
+        self.new_hidden = torch.cat(new_hidden)
+        return torch.cat(gather)
+
+    def records(self, name_counts: list[tuple[int, int]]) -> list[list[tuple]]:
+        """Per video, one (method, tokens in, tokens out, seconds, reports) record per tower method; `name_counts`
+        gives each video's (in, out) count at the level the LLM sees (units, or pooled cells on LLaVA)."""
+        out = []
+        for v, (n_in, n_out) in enumerate(name_counts):
+            rows = []
+            for e in self.pipeline.tower_entries():
+                removed, seconds, reports = self.tally[v].get(e.card.name, [0, 0.0, {}])
+                tower = {
+                    "tower_tokens_in": [self.start_counts[v]],
+                    "tower_tokens_out": [self.start_counts[v] - removed],
+                }
+                reports = {**reports, **tower}
+                rows.append((e.card.name, n_in, n_out, seconds, reports))
+            out.append(rows)
+        return out
