@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks of issue 10 in one run (under 9 minutes on an H200: every step has its own time limit):
+# The GPU checks of issues 10 and 20 in one run (under 12 minutes on an H200: every step has its own time limit):
 #   1. the Triton kernel tests on CUDA        python -m pytest -q tests/test_kernels*.py
 #   2. the kernel benchmark on CUDA           vtc bench-kernels --device cuda --json $OUT/bench-kernels-cuda.json
 #   3. the end-to-end prefill check           eval/gpu_prefill.py (Qwen2.5-VL-7B shapes, 64 frames, sdpa and
@@ -7,6 +7,9 @@
 #   4. attention implementations              eval/gpu_attention.py: fastv / framefusion keep flash_attention_2 on
 #                                             every layer (one video and a padded batch, no fallbacks, logits vs
 #                                             sdpa), and flash_attention_2 vs sdpa prefill per method from step 3
+#   5. the encode stage                       eval/gpu_encode.py (Qwen2.5-VL-7B shapes, 16 frames of 448 px, at 25 %:
+#                                             TTFT and tower time of random / pixelprune / tome / pixelprune+tome /
+#                                             uniform, and pixelprune's tau = 0 kept fraction on a static clip)
 # Logs and JSON go to $OUT (default eval/gpu-out). Every step runs even when an earlier one fails; the exit code
 # is the number of failed steps. `--dry-run` prints the commands and checks the environment without running them.
 #
@@ -50,7 +53,7 @@ PYTEST_FLAGS=(-q -p no:cacheprovider --durations=15)
 "$PY" -c "import xdist" 2>/dev/null && PYTEST_FLAGS+=(-n 4)
 "$PY" -c "import pytest_timeout" 2>/dev/null && PYTEST_FLAGS+=(--timeout=120)
 
-# the limits add up to under 9 minutes; a typical run takes about half
+# the limits add up to under 12 minutes; a typical run takes about half
 step environment 40 "$PY" -c "
 import torch, triton, transformers, vtc, vtc_kernels, vtc_plugins
 print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)
@@ -63,6 +66,7 @@ step bench-kernels 100 "$PY" -m vtc.tools.cli bench-kernels --device cuda --repe
 step prefill 150 "$PY" eval/gpu_prefill.py --json "$OUT/prefill.json"
 # reads step 3's timings (no second 7B build); its own check runs a demo-size model for seconds
 step attention 60 "$PY" eval/gpu_attention.py --prefill-json "$OUT/prefill.json" --json "$OUT/attention.json"
+step encode 150 "$PY" eval/gpu_encode.py --json "$OUT/encode.json"
 
 rm -rf "$SITE"
 echo "=== $failed step(s) failed; results in $OUT"

@@ -351,44 +351,46 @@ class ToMe(vtc.TowerMerger):
             return None
         return t * (h * w - sum(clipped_schedule(self.schedule(depth, h * w), h * w)))
 
+    def frame_r(self, start: Tensor, tokens: int, num_layers: int, layer: int, protected: int) -> Tensor:
+        """Tokens each frame merges at `layer` [T] (before ToMe's clip): an explicit `r` is the same for every frame
+        (refused where it exceeds what a whole frame of `tokens` has left at that block); from the retention, each
+        frame's own schedule from the tokens it had when the tower started (`start` [T]: fewer after a pre-tower
+        method)."""
+        if self.r is not None:
+            schedule = self.schedule(num_layers, tokens)
+            left = tokens + protected - sum(clipped_schedule(schedule, tokens + protected, protected)[:layer])
+            if schedule[layer] > left:
+                raise ValueError(
+                    f"tome: r={schedule[layer]} at block {layer} is larger than the {left} tokens a frame has there; "
+                    "ToMe merges at most half of a frame's tokens per block (it clips r to that), so give r <= "
+                    f"{left} per block"
+                )
+            return torch.full_like(start, schedule[layer])
+        out = torch.zeros_like(start)
+        for n in torch.unique(start[start > 0]).tolist():
+            out[start == n] = self.schedule(num_layers, n)[layer]
+        return out
+
     def encode_block(self, tokens, ctx):
+        if tokens.point == "embedded":  # each frame's tokens as the tower starts (fewer after a pre-tower method)
+            ctx.state[ctx.video_index] = tokens.frame_lengths()
+            return tokens
         if tokens.point != "after_attention":
             return tokens
-        first = torch.unique(tokens.frame)[:1]
-        per_frame = int(tokens.grid[1] * tokens.grid[2])
-        r = self.schedule(tokens.num_layers, per_frame)[tokens.layer]
-        if r <= 0 or first.numel() == 0:
-            return tokens
         class_token = tokens.has_class_token
+        cells = int(tokens.grid[1] * tokens.grid[2])
+        start = ctx.state[ctx.video_index] - int(class_token)
+        r_of_frame = self.frame_r(start, cells, tokens.num_layers, tokens.layer, int(class_token))
+        if not bool((r_of_frame > 0).any()):
+            return tokens
         keep, src, dst, hidden, size = {}, [], [], {}, {}
         for frames, index in tokens.frame_batches():
-            x = tokens.hidden[index]  # [f, n, unit, D]
-            f, n = index.shape
-            if r > n:
-                raise ValueError(
-                    f"tome: r={r} at block {tokens.layer} is larger than the {n} tokens a frame has there; ToMe merges "
-                    f"at most half of a frame's tokens per block (it clips r to that), so give r <= {n} per block"
-                )
-            metric = (
-                tokens.keys[index].mean(dim=-2).reshape(f, n, -1)
-            )  # heads averaged, the unit's patches side by side
-            plan = bipartite_soft_matching(metric, r, class_token=class_token)
-            if plan.r == 0:
-                for i, frame in enumerate(frames.tolist()):
-                    keep[frame], hidden[frame], size[frame] = index[i], x[i], tokens.size[index[i]]
-                continue
-            merged, sizes = merge_wavg(plan, x.reshape(f, n, -1), tokens.size[index][..., None].to(x.dtype))
-            b = torch.arange(1, n, 2, device=index.device).expand(f, -1)
-            order = torch.cat([2 * plan.unmerged, b], dim=1)  # ToMe's output order: [unmerged A ; B]
-            for i, frame in enumerate(frames.tolist()):
-                keep[frame] = index[i, order[i]]
-                hidden[frame] = merged[i].view(-1, *x.shape[2:])
-                size[frame] = sizes[i, :, 0].to(tokens.size.dtype)
-            src.append(index.gather(1, 2 * plan.merged).flatten())
-            dst.append(index.gather(1, 2 * plan.destination + 1).flatten())
-        frames = sorted(keep)
+            for r in torch.unique(r_of_frame[frames]).tolist():
+                rows = r_of_frame[frames] == r
+                self._merge_frames(tokens, frames[rows], index[rows], r, class_token, keep, src, dst, hidden, size)
         if not src:
             return tokens
+        frames = sorted(keep)
         return tokens.merge(
             torch.cat([keep[f] for f in frames]),
             torch.cat(src),
@@ -396,3 +398,25 @@ class ToMe(vtc.TowerMerger):
             hidden=torch.cat([hidden[f] for f in frames]),
             size=torch.cat([size[f] for f in frames]),
         )
+
+    @staticmethod
+    def _merge_frames(tokens, frames, index, r, class_token, keep, src, dst, hidden, size) -> None:
+        """ToMe's step on frames of equal length (`index` [f, n]): their new tokens in ToMe's order into `keep` /
+        `hidden` / `size` by frame, the folded pairs appended to `src` / `dst`."""
+        x = tokens.hidden[index]  # [f, n, unit, D]
+        f, n = index.shape
+        metric = tokens.keys[index].mean(dim=-2).reshape(f, n, -1)  # heads averaged, a unit's patches side by side
+        plan = bipartite_soft_matching(metric, r, class_token=class_token)
+        if plan.r == 0:
+            for i, frame in enumerate(frames.tolist()):
+                keep[frame], hidden[frame], size[frame] = index[i], x[i], tokens.size[index[i]]
+            return
+        merged, sizes = merge_wavg(plan, x.reshape(f, n, -1), tokens.size[index][..., None].to(x.dtype))
+        b = torch.arange(1, n, 2, device=index.device).expand(f, -1)
+        order = torch.cat([2 * plan.unmerged, b], dim=1)  # ToMe's output order: [unmerged A ; B]
+        for i, frame in enumerate(frames.tolist()):
+            keep[frame] = index[i, order[i]]
+            hidden[frame] = merged[i].view(-1, *x.shape[2:])
+            size[frame] = sizes[i, :, 0].to(tokens.size.dtype)
+        src.append(index.gather(1, 2 * plan.merged).flatten())
+        dst.append(index.gather(1, 2 * plan.destination + 1).flatten())

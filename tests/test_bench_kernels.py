@@ -141,6 +141,26 @@ def test_gpu_prefill_runs_tiny_on_cpu(tmp_path):
     assert "skipped" in fa2 or "none" in fa2
 
 
+def test_gpu_encode_runs_tiny_on_cpu(tmp_path):
+    """The encode-stage check of eval/gpu_check.sh on vtc's tiny model: every method of the 7B GPU run runs, the LLM
+    gets a quarter of the tokens, and the static clip's tau = 0 rule reports what it kept."""
+    spec = importlib.util.spec_from_file_location("gpu_encode", ROOT / "eval" / "gpu_encode.py")
+    gpu_encode = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_encode)
+    path = tmp_path / "encode.json"
+    assert (
+        gpu_encode.main(["--tiny", "--frames", "8", "--repeats", "1", "--attention", "sdpa", "--json", str(path)]) == 0
+    )
+    sdpa = json.loads(path.read_text())["attention"]["sdpa"]
+    none = sdpa.pop("none")
+    static = sdpa.pop("pixelprune tau=0 (static clip)")
+    assert set(sdpa) == set(gpu_encode.METHODS)
+    for label, entry in sdpa.items():  # 8 frames of 112 px: 4 temporal patches of 12 x 12 units, a quarter kept
+        slack = 4 if label == "pixelprune+tome" else 0  # ToMe rounds each frame's half of what PixelPrune left
+        assert abs(entry["tokens"] - 4 * 144 // 4) <= slack and entry["ttft_x"]["median"] > 0, label
+    assert none["vision_ms"]["median"] > 0 and 0 < static["kept_fraction"] < 1
+
+
 def test_gpu_prefill_7b_shapes_are_qwen25_vl_7b():
     gpu_prefill = _load_gpu_prefill()
     text, vision = gpu_prefill.QWEN25_VL_7B_TEXT, gpu_prefill.QWEN25_VL_7B_VISION

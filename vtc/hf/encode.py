@@ -203,9 +203,22 @@ class EncodeStage:
         from vtc.hf.tower import QwenTower
 
         return_dict = kwargs.pop("return_dict", True)
-        output, run = QwenTower(self.adapter).run(
-            pixels, grid_thw, [e.kept for e in encoded], self.pipeline, self._contexts(ctx, len(encoded))
-        )
+        visual, runs = self.adapter.vision_tower, []
+
+        def forward(hidden_states, grid_thw, **_):
+            contexts = self._contexts(ctx, len(encoded))
+            output, run = QwenTower(self.adapter).run(
+                hidden_states, grid_thw, [e.kept for e in encoded], self.pipeline, contexts
+            )
+            runs.append(run)
+            return output
+
+        visual.forward = forward  # called through the module, so its hooks (timers, the user's) see the tower run
+        try:
+            output = visual(pixels, grid_thw=grid_thw)
+        finally:
+            del visual.__dict__["forward"]
+        run = runs[0]
         counts = []
         for e, tokens in zip(encoded, run.tokens):
             order = torch.argsort(tokens.cell)
