@@ -700,7 +700,7 @@ class EarlyTom(vtc.TowerMerger):
 
     ratio: float | None = vtc.param(None, range="(0, 1]", doc="RETAIN_RATIO; default: the retention, else 0.2")
     tau: float = vtc.param(
-        README_SETTING.tau, range="[-1, inf)", doc="T: cut a frame group when the EMA similarity < T (above 1: never mix)"
+        README_SETTING.tau, range="[-1, inf)", doc="T: a new frame group when the EMA similarity < T (> 1: no mixing)"
     )
     max_window: int = vtc.param(6, range="[2, inf)", doc="M: a group holds at most M - 1 frames (the scripts' 6)")
     ema: float = vtc.param(DEFAULTS.ema, range="[0, 1]", doc="EMA weight of the new frame's similarity")
