@@ -231,8 +231,8 @@ def test_refusals_name_the_problem():
         vtc.core.pipeline.Pipeline([KeepTemporalPatches(), vtc.registry()["holitom"]()], retention=0.5)
     from vtc.vllm.config import ServeConfig
 
-    with pytest.raises(ValueError, match="between its blocks"):
-        ServeConfig.from_dict({"methods": "tome", "retention": 0.5}).check_methods()
+    with pytest.raises(ValueError, match="between the vision tower's blocks, but its count depends on the content"):
+        ServeConfig.from_dict({"methods": "earlytom", "retention": 0.5}).check_methods()
 
 
 @vtc.method("t_random_units", paper="test")

@@ -342,10 +342,13 @@ class Pipeline:
         layer when a method acts in the LLM, else the count entering it. None when a method decides from the
         content. A pure function of (family, grid, parameters): `family` defaults to the bound one.
 
-        `encoded`: the units the encode stage actually kept of this video, when its methods already ran on the
-        pixels (a serving engine runs them in its prompt processor, before it sizes the prompt). It replaces the
-        counts of the encode-only methods, adaptive ones included, and the methods after them count from it; the
-        result is then None only when a later method decides from the content."""
+        `encoded`: the units the pre-tower methods (`card.acts_before_tower`: `PatchSelector`) actually kept of this
+        video, when they already ran on the pixels (a serving engine runs them in its prompt processor, before it
+        sizes the prompt). It replaces their counts, adaptive ones included, and the methods after them count from
+        it: the tower methods (`TowerMerger`, which run on what the pre-tower methods left, whatever their place in
+        the spec) with their own counts, then the connect methods; the result is then None only when a later method
+        decides from the content. A method acting both before and in the tower has no count given `encoded` (None).
+        """
         t, h, w = validate_grid(grid)
         family = family or self.family
         if family is None:
@@ -357,13 +360,15 @@ class Pipeline:
             raise ValueError(f"encoded must be a unit count in [0, {t * h * w}] for grid {grid}, got {encoded}")
         count: int | None = t * h * w
         in_llm = None  # a method whose count is a last-layer count: nothing may reduce after its connect stage
-        for e in self.entries:
+        for e in self._count_order():
             if not e.card.reduces_tokens:
                 continue
             if in_llm is not None and "connect" in e.card.stages:
                 return None  # e thins what in_llm's connect stage left, before in_llm acts in the LLM
-            if encoded is not None and e.card.stages == ("encode",):
-                count = encoded  # what the encode stage kept, whatever each of its methods promised
+            if encoded is not None and e.card.acts_before_tower:
+                if e.card.acts_in_tower:
+                    return None  # `encoded` holds its pre-tower part only
+                count = encoded  # what the pre-tower methods kept, whatever each of them promised
                 continue
             count = self._method_count(e, count, (t, h, w), family)
             if count is None:
@@ -371,6 +376,16 @@ class Pipeline:
             if e.card.acts_in_llm:
                 in_llm = e
         return count
+
+    def _count_order(self) -> list[Entry]:
+        """The entries in the order their counts compose, the order they run in: within the encode stage every
+        pre-tower method runs before the vision tower, so before the tower methods whatever their place in the
+        spec (`Pipeline.run_encode`, then the tower)."""
+
+        def rank(e: Entry) -> tuple[int, bool]:
+            return min(STAGE_ORDER[s] for s in e.card.stages), e.card.acts_in_tower and not e.card.acts_before_tower
+
+        return sorted(self.entries, key=rank)
 
     # --- execution -----------------------------------------------------------------------------------------
     def begin_prompt(self) -> None:
@@ -413,6 +428,10 @@ class Pipeline:
             records.append((e.card.name, n_in, len(out), seconds, own.reports))
             patches = out
         return patches, records
+
+    def pre_tower_entries(self) -> list[Entry]:
+        """The encode methods that keep a subset of the patches before the vision tower (`PatchSelector`)."""
+        return [e for e in self.stage_entries("encode") if e.card.acts_before_tower]
 
     def tower_entries(self) -> list[Entry]:
         """The encode methods that act between the vision tower's blocks (`TowerMerger`)."""

@@ -282,3 +282,162 @@ class TowerRun:
                 rows.append((e.card.name, n_in, n_out, seconds, reports))
             out.append(rows)
         return out
+
+
+# --- the Qwen towers block by block, whatever the backend -------------------------------------------------------
+
+
+def unit_tokens(hidden: Tensor, kept: list[Tensor], grids: list[Grid], num_layers: int) -> list[TowerTokens]:
+    """Every video's `TowerTokens` as a Qwen tower's first block receives them: `hidden` [sum kept, unit, D] holds the
+    surviving units `kept[k]` (ascending cells of `grids[k]`) of every video in order."""
+    tokens, start = [], 0
+    for k, grid in zip(kept, grids):
+        k = k.to(hidden.device)
+        frame = torch.div(k, grid[1] * grid[2], rounding_mode="floor")
+        tokens.append(initial_tokens(hidden[start : start + k.numel()], k, frame, grid, num_layers))
+        start += k.numel()
+    return tokens
+
+
+def attention_segments(tokens: list[TowerTokens], window: int | None) -> tuple[Tensor | None, list[int]]:
+    """The order that makes every attention segment of the packed `tokens` (videos in order) contiguous (None: the
+    packed order already is) and the segments' lengths in tokens: one per temporal patch of every video (Qwen's
+    per-frame attention), or, with `window` (units per window side: Qwen2.5-VL's windowed blocks), one per window of
+    it, windows numbered row-major over the frame as the tower's own window index numbers them."""
+    keys, frames_before = [], 0
+    for t in tokens:
+        key = t.frame + frames_before
+        frames_before += t.grid[0]
+        if window is not None:
+            _, h, w = t.grid
+            row, col = (t.cell // w) % h, t.cell % w
+            per_row = -(-w // window)
+            key = key * (-(-h // window) * per_row) + (row // window) * per_row + col // window
+        keys.append(key)
+    key = torch.cat(keys)
+    order = None
+    if bool((key[1:] < key[:-1]).any()):
+        order = torch.sort(key, stable=True).indices
+        key = key[order]
+    return order, torch.unique_consecutive(key, return_counts=True)[1].tolist()
+
+
+def scatter_by_cell(values: Tensor, tokens: list[TowerTokens], units: list[int]) -> tuple[Tensor, ...]:
+    """Per video [units, D]: the rows of `values` (videos' tokens packed in order) at their tokens' cells, zeros
+    elsewhere."""
+    out, start = [], 0
+    for t, n in zip(tokens, units):
+        full = values.new_zeros(n, values.shape[-1])
+        full[t.cell] = values[start : start + len(t)]
+        out.append(full)
+        start += len(t)
+    return tuple(out)
+
+
+class MergeUnitTower:
+    """The block loop of a tower whose tokens are merge units (Qwen2-VL, Qwen2.5-VL, Qwen3-VL), shared by the HF and
+    vLLM backends, which differ in how a block's modules are called, not in what runs when.
+
+    The loop hands the tokens to the tower methods after the embedding, after every block's attention and after every
+    block (`TowerRun.hook`), carries every token's rotary rows through their merges, builds each block's attention
+    segments from what is left (per temporal patch; per window on Qwen2.5-VL's windowed blocks) and taps DeepStack
+    features on the tokens alive at that block. A backend subclass gives the modules' calls: `attend` (one block's
+    attention over contiguous segments, its own module or SDPA with a per-key bias), `mlp` (the block's MLP branch)
+    and `tap` (a DeepStack merger)."""
+
+    def __init__(
+        self,
+        family: str,
+        blocks: list,
+        merge: int,
+        window: int | None = None,
+        full_blocks: tuple[int, ...] | list[int] = (),
+        deepstack: tuple[int, ...] | list[int] = (),
+    ) -> None:
+        self.family = family
+        self.blocks = list(blocks)
+        self.merge = int(merge)
+        self.unit = self.merge * self.merge
+        self.window = window  # units per window side on the windowed blocks (None: none)
+        self.full_blocks = frozenset(full_blocks)
+        self.deepstack = list(deepstack)
+
+    # --- what a backend gives ------------------------------------------------------------------------------------
+    def attend(
+        self,
+        block,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        lengths: list[int],
+        bias: Tensor | None,
+        keys_wanted: bool,
+    ) -> tuple[Tensor, Tensor | None]:
+        """The block's attention branch (its norm and attention) on the residual stream `x` [n, D] (patches, each
+        segment contiguous; `lengths` in patches), with rotary rows `cos`, `sin` [n, R]. `bias` [n]: SDPA with that
+        per-key bias instead of the block's own attention (proportional attention). Returns the branch's output
+        [n, D] and, when `keys_wanted`, the keys before the rotary embedding [n, heads, head_dim]."""
+        raise NotImplementedError
+
+    def mlp(self, block, x: Tensor) -> Tensor:
+        """The block's MLP branch (its norm and MLP) on the residual stream `x` [n, D]."""
+        raise NotImplementedError
+
+    def tap(self, index: int, x: Tensor) -> Tensor:
+        """DeepStack merger `index` on `x` [n, D] (complete units, consecutive)."""
+        raise NotImplementedError
+
+    # --- the loop ------------------------------------------------------------------------------------------------
+    def run_blocks(
+        self, run: TowerRun, x: Tensor, cos: Tensor, sin: Tensor, pixels: Tensor | None = None
+    ) -> tuple[Tensor, list[tuple[Tensor, list[TowerTokens]]]]:
+        """Every block on the embedded tokens `x` [N, unit, D] (rotary rows `cos`, `sin` [N, unit, R]; `pixels`
+        [N, unit, P] for the "embedded" point), the tower methods of `run` between them. Returns the last block's
+        output [N', unit, D] and the DeepStack taps (features [n, D'] of the tokens then alive, those tokens)."""
+        pipeline = run.pipeline
+        if pipeline.tower_attention_layers(len(self.blocks)):
+            raise ValueError(
+                f"{', '.join(e.card.name for e in pipeline.tower_entries())}: the attention tokens receive inside a "
+                f"block is offered on LLaVA's SigLIP / CLIP towers, not yet inside the {self.family} tower"
+            )
+        keys_wanted, proportional = pipeline.tower_needs_keys, pipeline.proportional_attention
+        x, cos, sin = self._hook(run, x, cos, sin, -1, "embedded", pixels=pixels)
+        taps: list[tuple[Tensor, list[TowerTokens]]] = []
+        for layer, block in enumerate(self.blocks):
+            windows = self.window is not None and layer not in self.full_blocks
+            bias = torch.cat([t.size for t in run.tokens]).log().repeat_interleave(self.unit) if proportional else None
+            attended, keys = self._attention(block, x, cos, sin, run, windows, bias, keys_wanted)
+            x = x + attended
+            x, cos, sin = self._hook(run, x, cos, sin, layer, "after_attention", keys=keys)
+            x = x + self.mlp(block, x.flatten(0, 1)).view_as(x)
+            x, cos, sin = self._hook(run, x, cos, sin, layer, "after_block")
+            if layer in self.deepstack:
+                taps.append((self.tap(self.deepstack.index(layer), x.flatten(0, 1)), list(run.tokens)))
+        return x, taps
+
+    @staticmethod
+    def _hook(run: TowerRun, x: Tensor, cos: Tensor, sin: Tensor, layer: int, point: str, **extra):
+        gather = run.hook(x, layer, point, **extra)
+        if gather is None:
+            return x, cos, sin
+        return run.new_hidden, cos[gather], sin[gather]
+
+    def _attention(self, block, x: Tensor, cos, sin, run: TowerRun, windows: bool, bias, keys_wanted: bool):
+        """`attend` with every attention segment made contiguous (and the result put back in the packed order);
+        the keys [N, unit, heads, head_dim] when asked."""
+        order, lengths = attention_segments(run.tokens, self.window if windows else None)
+        n, unit, dim = x.shape
+        if order is not None:
+            x, cos, sin = x[order], cos[order], sin[order]
+            bias = None if bias is None else bias.view(n, unit)[order].flatten()
+        out, keys = self.attend(
+            block, x.flatten(0, 1), cos.flatten(0, 1), sin.flatten(0, 1), [k * unit for k in lengths], bias, keys_wanted
+        )
+        out = out.view(n, unit, dim)
+        keys = None if (keys is None or not keys_wanted) else keys.reshape(n, unit, *keys.shape[1:])
+        if order is not None:
+            inverse = torch.empty_like(order)
+            inverse[order] = torch.arange(order.numel(), device=order.device)
+            out = out[inverse]
+            keys = None if keys is None else keys[inverse]
+        return out, keys

@@ -31,7 +31,15 @@ import torch.nn.functional as F
 
 from vtc.core.pipeline import Pipeline
 from vtc.core.tokens import Context
-from vtc.core.tower import TowerRun, TowerTokens, initial_tokens, segment_attention
+from vtc.core.tower import (
+    MergeUnitTower,
+    TowerRun,
+    TowerTokens,
+    initial_tokens,
+    scatter_by_cell,
+    segment_attention,
+    unit_tokens,
+)
 
 Tensor = torch.Tensor
 
@@ -39,19 +47,28 @@ Tensor = torch.Tensor
 # --- the Qwen towers ----------------------------------------------------------------------------------------------
 
 
-class QwenTower:
-    """Qwen2-VL, Qwen2.5-VL and Qwen3-VL's towers block by block (a token is one merge unit)."""
+class QwenTower(MergeUnitTower):
+    """Qwen2-VL, Qwen2.5-VL and Qwen3-VL's towers block by block (a token is one merge unit): the loop is
+    `vtc.core.tower.MergeUnitTower`'s, shared with vLLM's towers (`vtc.vllm.tower`); this class calls transformers'
+    modules."""
 
     def __init__(self, adapter) -> None:
-        self.adapter = adapter
-        self.visual = adapter.vision_tower
+        visual = adapter.vision_tower
         config = adapter.model.config.vision_config
-        self.merge = int(config.spatial_merge_size)
-        self.unit = self.merge * self.merge
-        self.windowed = hasattr(self.visual, "fullatt_block_indexes")
-        if self.windowed:  # units per window side (the tower's `vit_merger_window_size`)
-            self.window = int(config.window_size) // self.merge // int(config.patch_size)
-        self.deepstack = list(getattr(self.visual, "deepstack_visual_indexes", None) or [])
+        merge = int(config.spatial_merge_size)
+        window = None
+        if hasattr(visual, "fullatt_block_indexes"):  # units per window side (the tower's `vit_merger_window_size`)
+            window = int(config.window_size) // merge // int(config.patch_size)
+        super().__init__(
+            adapter.family,
+            list(visual.blocks),
+            merge,
+            window,
+            getattr(visual, "fullatt_block_indexes", None) or (),
+            getattr(visual, "deepstack_visual_indexes", None) or (),
+        )
+        self.adapter = adapter
+        self.visual = visual
 
     def run(
         self, pixels: Tensor, grid_thw: Tensor, kept: list[Tensor], pipeline: Pipeline, ctxs: list[Context]
@@ -75,130 +92,50 @@ class QwenTower:
         x = x.view(-1, unit, dim)
         cos, sin = cos.reshape(x.shape[0], unit, -1), sin.reshape(x.shape[0], unit, -1)
         patches = pixels[rows].view(x.shape[0], unit, -1)
-        tokens, start = [], 0
-        for k, grid in zip(kept, grids):
-            k = k.to(x.device)
-            frame = torch.div(k, grid[1] * grid[2], rounding_mode="floor")
-            tokens.append(initial_tokens(x[start : start + k.numel()], k, frame, grid, len(visual.blocks)))
-            start += k.numel()
-        run = TowerRun(pipeline, ctxs, tokens)
-        keys_wanted, proportional = pipeline.tower_needs_keys, pipeline.proportional_attention
-        if pipeline.tower_attention_layers(len(visual.blocks)):
-            raise ValueError(
-                f"{', '.join(e.card.name for e in pipeline.tower_entries())}: the attention tokens receive inside a "
-                f"block is offered on LLaVA's SigLIP / CLIP towers, not yet inside the {self.adapter.family} tower"
-            )
-        x, cos, sin = self._hook(run, x, cos, sin, -1, "embedded", pixels=patches)
-        taps: list[tuple[Tensor, list[TowerTokens]]] = []
-        for layer, block in enumerate(visual.blocks):
-            windows = self.windowed and layer not in visual.fullatt_block_indexes
-            bias = self._bias(run) if proportional else None
-            attended, keys = self._attention(
-                block, block.norm1(x.flatten(0, 1)).view_as(x), cos, sin, run, windows, bias, keys_wanted
-            )
-            x = x + attended
-            x, cos, sin = self._hook(run, x, cos, sin, layer, "after_attention", keys=keys)
-            x = x + block.mlp(block.norm2(x.flatten(0, 1))).view_as(x)
-            x, cos, sin = self._hook(run, x, cos, sin, layer, "after_block")
-            if layer in self.deepstack:
-                tap = visual.deepstack_merger_list[self.deepstack.index(layer)](x.flatten(0, 1))
-                taps.append((tap, [t for t in run.tokens]))
+        run = TowerRun(pipeline, ctxs, unit_tokens(x, kept, grids, len(visual.blocks)))
+        x, taps = self.run_blocks(run, x, cos, sin, patches)
         merged = visual.merger(x.flatten(0, 1))
-        output = self._output(visual, x, merged, run.tokens, units, taps)
-        return output, run
+        return self._output(x, merged, run.tokens, units, taps), run
 
-    def _hook(self, run: TowerRun, x, cos, sin, layer: int, point: str, **extra):
-        gather = run.hook(x, layer, point, **extra)
-        if gather is None:
-            return x, cos, sin
-        return run.new_hidden, cos[gather], sin[gather]
-
-    def _bias(self, run: TowerRun) -> Tensor:
-        """log(size) of every patch (a unit's patches share its size)."""
-        size = torch.cat([t.size for t in run.tokens])
-        return size.log().repeat_interleave(self.unit)
-
-    def _segments(self, run: TowerRun, windows: bool) -> tuple[Tensor | None, list[int]]:
-        """The order that makes every attention segment contiguous (None: the packed order already is) and the
-        segments' lengths in tokens: one per temporal patch of every video, or per window of it."""
-        keys, frames_before = [], 0
-        for tokens in run.tokens:
-            key = tokens.frame + frames_before
-            frames_before += tokens.grid[0]
-            if windows:
-                _, h, w = tokens.grid
-                row, col = (tokens.cell // w) % h, tokens.cell % w
-                per_row = -(-w // self.window)
-                window = (row // self.window) * per_row + col // self.window
-                key = key * (-(-h // self.window) * per_row) + window
-            keys.append(key)
-        key = torch.cat(keys)
-        order = None
-        if bool((key[1:] < key[:-1]).any()):
-            order = torch.sort(key, stable=True).indices
-            key = key[order]
-        return order, torch.unique_consecutive(key, return_counts=True)[1].tolist()
-
-    def _attention(self, block, h: Tensor, cos, sin, run: TowerRun, windows: bool, bias, keys_wanted: bool):
-        """The block's attention on normed `h` [N, unit, D] (its own module, or SDPA with `bias` per patch), and the
-        keys before the rotary embedding [N, unit, heads, head_dim] when asked."""
+    def attend(self, block, x, cos, sin, lengths, bias, keys_wanted):
         attn = block.attn
-        order, lengths = self._segments(run, windows)
-        n, unit, dim = h.shape
-        if order is not None:
-            h, cos, sin = h[order], cos[order], sin[order]
-            bias = None if bias is None else bias.view(n, unit)[order].flatten()
-        flat, cos, sin = h.flatten(0, 1), cos.flatten(0, 1), sin.flatten(0, 1)
-        lengths = [length * unit for length in lengths]
+        h = block.norm1(x)
+        n = h.shape[0]
         keys = None
         if bias is None:
             captured: list[Tensor] = []
             handle = attn.qkv.register_forward_hook(lambda m, a, out: captured.append(out)) if keys_wanted else None
-            cu = F.pad(torch.tensor(lengths, device=flat.device).cumsum(0, dtype=torch.int32), (1, 0))
+            cu = F.pad(torch.tensor(lengths, device=h.device).cumsum(0, dtype=torch.int32), (1, 0))
             try:
-                out = attn(flat, cu_seqlens=cu, position_embeddings=(cos, sin))
+                out = attn(h, cu_seqlens=cu, position_embeddings=(cos, sin))
             finally:
                 if handle is not None:
                     handle.remove()
             if keys_wanted:
-                keys = captured[0].view(n * unit, 3, attn.num_heads, -1)[:, 1]
-        else:
-            rotate = sys.modules[type(attn).__module__].apply_rotary_pos_emb_vision
-            q, k, v = attn.qkv(flat).view(n * unit, 3, attn.num_heads, -1).unbind(1)
-            keys = k
-            q, k = rotate(q, k, cos, sin)
-            out = attn.proj(segment_attention(q, k, v, lengths, attn.scaling, bias).reshape(n * unit, -1))
-        out = out.view(n, unit, dim)
-        keys = None if (keys is None or not keys_wanted) else keys.reshape(n, unit, attn.num_heads, -1)
-        if order is not None:
-            inverse = torch.empty_like(order)
-            inverse[order] = torch.arange(order.numel(), device=order.device)
-            out = out[inverse]
-            keys = None if keys is None else keys[inverse]
-        return out, keys
+                keys = captured[0].view(n, 3, attn.num_heads, -1)[:, 1]
+            return out, keys
+        rotate = sys.modules[type(attn).__module__].apply_rotary_pos_emb_vision
+        q, k, v = attn.qkv(h).view(n, 3, attn.num_heads, -1).unbind(1)
+        keys = k
+        q, k = rotate(q, k, cos, sin)
+        return attn.proj(segment_attention(q, k, v, lengths, attn.scaling, bias).reshape(n, -1)), keys
 
-    def _output(self, visual, x: Tensor, merged: Tensor, tokens: list[TowerTokens], units: list[int], taps):
+    def mlp(self, block, x):
+        return block.mlp(block.norm2(x))
+
+    def tap(self, index, x):
+        return self.visual.deepstack_merger_list[index](x)
+
+    def _output(self, x: Tensor, merged: Tensor, tokens: list[TowerTokens], units: list[int], taps):
         """The tower's output object, each video's rows scattered onto its whole grid by their cells."""
-        pooler = _scatter_by_cell(merged, tokens, units)
-        module = sys.modules[type(visual).__module__]
+        pooler = scatter_by_cell(merged, tokens, units)
+        module = sys.modules[type(self.visual).__module__]
         if self.deepstack:
-            features = [_scatter_by_cell(tap, at, units) for tap, at in taps]
+            features = [scatter_by_cell(tap, at, units) for tap, at in taps]
             return module.BaseModelOutputWithDeepstackFeatures(
                 last_hidden_state=x.flatten(0, 1), pooler_output=pooler, deepstack_features=features
             )
         return module.BaseModelOutputWithPooling(last_hidden_state=x.flatten(0, 1), pooler_output=pooler)
-
-
-def _scatter_by_cell(values: Tensor, tokens: list[TowerTokens], units: list[int]) -> tuple[Tensor, ...]:
-    """Per video [units, D]: the rows of `values` (videos' tokens packed in order) at their tokens' cells, zeros
-    elsewhere."""
-    out, start = [], 0
-    for t, n in zip(tokens, units):
-        full = values.new_zeros(n, values.shape[-1])
-        full[t.cell] = values[start : start + len(t)]
-        out.append(full)
-        start += len(t)
-    return tuple(out)
 
 
 # --- SigLIP / CLIP (LLaVA) ---------------------------------------------------------------------------------------

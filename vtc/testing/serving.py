@@ -35,8 +35,9 @@ def reconfigure(llm, config: dict[str, Any]) -> None:
     config). An engine without vtc is another engine: the start config also switches vLLM's pruning path on."""
     from vtc.vllm.models import Serving
 
-    checked = ServeConfig.from_dict(config)
-    setattr(llm.llm_engine.model_config.hf_config, CONFIG_ATTR, checked.to_dict())
+    hf_config = llm.llm_engine.model_config.hf_config
+    checked = ServeConfig.from_dict(config).for_model(getattr(hf_config, "vision_config", None))  # as at start
+    setattr(hf_config, CONFIG_ATTR, checked.to_dict())
 
     def switch(model):
         if getattr(model, "vtc", None) is None:

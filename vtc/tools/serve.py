@@ -18,13 +18,13 @@ from typing import Any
 from vtc.vllm.config import KEY, ServeConfig, family_of
 
 
-def model_architectures(model: str) -> list[str] | None:
-    """`architectures` from a local checkpoint's config.json (None for a hub name: vLLM resolves it)."""
+def local_config(model: str) -> dict[str, Any] | None:
+    """A local checkpoint's config.json (None for a hub name: vLLM resolves it)."""
     path = os.path.join(model, "config.json")
     if not os.path.isfile(path):
         return None
     with open(path) as f:
-        return list(json.load(f).get("architectures") or [])
+        return json.load(f)
 
 
 def split_additional_config(vllm_args: list[str]) -> tuple[dict[str, Any], list[str]]:
@@ -88,9 +88,9 @@ def serve(
             "retention_range": list(retention_range),
         }
     )
-    architectures = model_architectures(model)
-    if architectures is not None:
-        config.pipeline(family_of(architectures))  # fail before vLLM starts
+    local = local_config(model)
+    if local is not None:  # fail before vLLM starts (a tower method's depth as the server will set it)
+        config.for_model(local.get("vision_config")).pipeline(family_of(list(local.get("architectures") or [])))
     extra, rest = split_additional_config(list(vllm_args or []))
     argv = ["vllm", "serve", model, "--additional-config", json.dumps({**extra, KEY: config.to_dict()}), *rest]
     cpu_build_compat()

@@ -5,9 +5,11 @@ encoded, and vLLM caches encoder outputs per video, across requests and question
 it acts in the `connect` stage, its count is a pure function of the video's grid (`retained_count`), and it does
 not read the question; or if it chooses each video's merge units before the vision tower (an encode-stage
 `PatchSelector`, on the Qwen families), which the prompt processor runs on the pixels, so the prompt is sized from
-what it kept (`vtc.vllm.encode`). `ServeConfig.pipeline(family)` builds the pipeline the server runs and refuses
-anything else with a message naming the serving-capable methods. No vLLM import here: the CLI checks a config
-with it before it starts vLLM.
+what it kept (`vtc.vllm.encode`); or if it merges units between the vision tower's blocks with a count fixed by the
+grid (a `TowerMerger` such as ToMe, on the Qwen families), which the worker runs inside vLLM's own tower
+(`vtc.vllm.tower`). `ServeConfig.pipeline(family)` builds the pipeline the server runs and refuses anything else with
+a message naming the serving-capable methods. No vLLM import here: the CLI checks a config with it before it starts
+vLLM.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import json
 import math
 from typing import Any
 
-from vtc.core.bases import PatchSelector
+from vtc.core.bases import PatchSelector, survivors_reach_llm
 from vtc.core.families import get_family
 from vtc.core.method import MethodCard
 from vtc.core.pipeline import Pipeline, parse_spec, validate_retention
@@ -82,19 +84,41 @@ def servable_samplers() -> list[str]:
 
 def servable_encoders() -> list[str]:
     """Installed encode-stage methods a server can run: those that choose each video's merge units before the vision
-    tower (`PatchSelector`). The prompt processor runs them on the pixels, so their count may depend on the content.
-    (A method acting between the tower's blocks is not one: vLLM's towers are not hooked there.)"""
-    return sorted(card.name for card in registry().cards() if _chooses_patches(card))
+    tower (`PatchSelector`: the prompt processor runs them on the pixels, so their count may depend on the content),
+    and those that merge units between the tower's blocks with a count fixed by the grid (`TowerMerger`: the worker
+    runs them inside vLLM's tower, block by block)."""
+    return sorted(card.name for card in registry().cards() if _chooses_patches(card) or _merges_in_tower(card))
+
+
+def servable_tower_methods() -> list[str]:
+    """The servable encode-stage methods that act between the vision tower's blocks (ToMe)."""
+    return sorted(card.name for card in registry().cards() if _merges_in_tower(card))
 
 
 def _chooses_patches(card: MethodCard) -> bool:
     return card.stages == ("encode",) and issubclass(card.cls, PatchSelector) and not card.stream_only
 
 
+def _merges_in_tower(card: MethodCard) -> bool:
+    return (
+        card.stages == ("encode",)
+        and card.acts_in_tower
+        and not card.acts_before_tower
+        and card.fixed_count
+        and not card.stream_only
+    )
+
+
 def encode_families(card: MethodCard) -> list[str]:
-    """The served families an encode-stage method runs on (those whose tower offers what it requires: the Qwen
-    towers' merge units)."""
-    return [f for f in dict.fromkeys(ARCHITECTURES.values()) if not get_family(f).missing(card.cls.requires)]
+    """The served families an encode-stage method runs on: those whose tower offers what it requires (the Qwen
+    towers' merge units); for a tower method also one whose surviving tokens reach the LLM (LLaVA's SigLIP / CLIP
+    unmerge their tokens onto the frame grid before the pooling, so a tower method keeps the LLM's count there, and
+    vtc runs vLLM's Qwen towers block by block only)."""
+    return [
+        f
+        for f in dict.fromkeys(ARCHITECTURES.values())
+        if not get_family(f).missing(card.cls.requires) and (not card.acts_in_tower or survivors_reach_llm(f))
+    ]
 
 
 def _allowed(family: str | None = None) -> str:
@@ -107,6 +131,66 @@ def _allowed(family: str | None = None) -> str:
         names = ", ".join(c.name for c in encoders)
         out += f"; encode-stage methods (alone or before one of the methods above, on {where}): {names}"
     return out
+
+
+def _check_tower_method(card: MethodCard, allowed: str) -> None:
+    """A method acting between the vision tower's blocks serves when that is all it does and its count is fixed by the
+    grid (the worker runs it inside vLLM's tower, after the prompt was sized); else a ValueError saying why not."""
+    name = card.name
+    tower = ", ".join(servable_tower_methods())
+    if not card.fixed_count:
+        raise ValueError(
+            f"{name} merges tokens between the vision tower's blocks, but its count depends on the content "
+            f"({card.retention_note or 'it has no retained_count'}), and vLLM sizes each prompt before the tower runs; "
+            f"tower methods with a count fixed by the grid serve: {tower}; methods the server runs: {allowed}"
+        )
+    if card.acts_before_tower or card.stages != ("encode",):
+        raise ValueError(
+            f"{name} acts between the vision tower's blocks and in another place too (stages "
+            f"{', '.join(card.stages)}{', before the tower' if card.acts_before_tower else ''}); a server runs tower "
+            f"methods that act in the tower alone: {tower}; methods the server runs: {allowed}"
+        )
+
+
+def tower_depth_params(methods: str, params: dict[str, Any], vision_config: Any) -> dict[str, Any]:
+    """`params` with `method.depth` set to the served model's vision-tower depth for every method of `methods` that
+    has a `depth` parameter (ToMe: with an int `r` its count depends on the depth, which the prompt processor must
+    know before the model runs). A depth the user gave must be the model's."""
+    depth = vision_config.get("depth") if isinstance(vision_config, dict) else getattr(vision_config, "depth", None)
+    if depth is None:
+        return params
+    out = dict(params)
+    for name in parse_spec(methods):
+        if not (registry()[name].card.acts_in_tower and _has_field(registry()[name], "depth")):
+            continue
+        given = out.get(f"{name}.depth", out.get("depth"))
+        if given is not None and given != depth:
+            raise ValueError(
+                f"{name}.depth={given!r}, but the served model's vision tower has {depth} blocks; drop depth (the "
+                "server sets it from the model's config)"
+            )
+        out.pop("depth", None)
+        out[f"{name}.depth"] = int(depth)
+    return out
+
+
+def check_tower_parallelism(pipeline: Pipeline, tensor_parallel_size: int, encoder_tp_mode: str | None) -> None:
+    """Refuse tower methods under tensor parallelism of the vision tower. Each block's projections are then split by
+    heads across the ranks and summed by an all-reduce, row by row: every rank must merge the same tokens, in the
+    same order, in every block, or the sums mix different tokens (or the collectives hang on different counts). A
+    merge decided from keys and hidden states that can differ across ranks in the last bits gives no such guarantee
+    without broadcasting them every block; `--mm-encoder-tp-mode data` runs the whole (small) tower on every rank
+    instead, with no collective inside it, and the first rank's result feeds every rank's LLM."""
+    tower = [e.card.name for e in pipeline.tower_entries()]
+    if not tower or tensor_parallel_size <= 1 or encoder_tp_mode == "data":
+        return
+    raise ValueError(
+        f"{'+'.join(tower)} merges tokens between the vision tower's blocks, which vtc does not run on a tower split "
+        f"across {tensor_parallel_size} tensor-parallel ranks (each rank holds a share of every block's heads, so "
+        "every rank would have to merge the same tokens in every block); start the server with "
+        "--mm-encoder-tp-mode data (each rank runs the whole vision tower, the LLM stays tensor-parallel), or "
+        "--tensor-parallel-size 1"
+    )
 
 
 def _has_field(params_cls: type, name: str) -> bool:
@@ -206,9 +290,23 @@ class ServeConfig:
                     f"{where}: retention must be in [{low}, {high}] on this server (its retention_range), got "
                     f"{raw['retention']!r}"
                 )
-        params = {**self.params, **_check_params(raw.get("params"), f"{where}.params")}
+        own = _check_params(raw.get("params"), f"{where}.params")
+        depth = [key for key in own if key == "depth" or key.endswith(".depth")]
+        if depth:
+            raise ValueError(
+                f"{where}.params: {', '.join(depth)} is the served model's vision-tower depth, which the server sets; "
+                "drop it"
+            )
+        params = {**self.params, **own}
         seed = _check_seed(raw.get("seed", self.seed), f"{where}.seed")
         return dataclasses.replace(self, retention=retention, params=params, seed=seed)
+
+    def for_model(self, vision_config: Any) -> "ServeConfig":
+        """This config on a model with `vision_config` (an HF config or its dict): the tower methods' `depth` set
+        from it (`tower_depth_params`), so a count that depends on the tower's depth is fixed before the model runs.
+        The server applies it once it knows the model (`vtc.vllm.plugin.apply_config`)."""
+        params = tower_depth_params(self.methods, self.params, vision_config)
+        return self if params == self.params else dataclasses.replace(self, params=params)
 
     def check_methods(self) -> None:
         """Every method is installed and can serve (the family-specific checks are in `pipeline`)."""
@@ -216,13 +314,14 @@ class ServeConfig:
         allowed = _allowed()
         for name in parse_spec(self.methods):
             info = methods[name].card  # raises naming the installed methods
-            if "encode" in info.stages and not issubclass(info.cls, PatchSelector):
+            if "encode" in info.stages and info.acts_in_tower:
+                _check_tower_method(info, allowed)
+            elif "encode" in info.stages and not issubclass(info.cls, PatchSelector):
                 raise ValueError(
                     f"{name} acts in the encode stage but does not choose patches before the vision tower (it is no "
-                    "PatchSelector: it works inside the tower, between its blocks), which vtc runs on the HF backend "
-                    "only: vLLM encodes with its own tower implementations, whose blocks vtc does not hook; "
-                    f"encode-stage methods the server runs: {', '.join(servable_encoders())}; methods the server "
-                    f"runs: {allowed}"
+                    "PatchSelector) nor merge tokens between its blocks (it is no TowerMerger), the two ways vtc "
+                    f"hooks vLLM's towers; encode-stage methods the server runs: {', '.join(servable_encoders())}; "
+                    f"methods the server runs: {allowed}"
                 )
             if info.stages == ("encode",):
                 continue  # the family is checked in `pipeline`: only the Qwen towers have merge units
@@ -285,22 +384,47 @@ class ServeConfig:
                     f"{entry.card.name} asks the served model itself with these parameters, which vLLM's prompt "
                     f"processor (where the server chooses frames) cannot call; {fix}"
                 )
-        # an encode method's count is known once the prompt processor ran it on the pixels: probe with one
-        encoded = math.prod(_PROBE_GRID) // 2 if pipeline.has_stage("encode") else None
+        # a pre-tower method's count is known once the prompt processor ran it on the pixels: probe with one
+        encoded = math.prod(_PROBE_GRID) // 2 if pipeline.pre_tower_entries() else None
         if pipeline.retained_count(_PROBE_GRID, encoded=encoded) is None:
+            tower = [e.card.name for e in pipeline.tower_entries()]
+            before = [e.card.name for e in pipeline.pre_tower_entries()]
+            if tower and before:
+                raise ValueError(
+                    f"{'+'.join(tower)} after {'+'.join(before)} has no fixed count: {'+'.join(before)} leaves each "
+                    f"temporal patch a number of units that depends on its content, and {'+'.join(tower)} plans its "
+                    "merges per frame of the whole grid (ToMe merges a fixed number of units per frame in every "
+                    "block), so what it keeps would depend on the content too, and vLLM sizes the prompt before the "
+                    f"tower runs; serve {'+'.join(tower)} or {'+'.join(before)} alone (or before connect methods); "
+                    "methods the server runs: " + _allowed()
+                )
+            depth = [e.card.name for e in pipeline.tower_entries() if getattr(e.method, "depth", 0) is None]
+            hint = (
+                f" ({', '.join(depth)}: with an int r the count depends on the vision tower's depth, which the server "
+                "sets from the served model's config, ServeConfig.for_model)"
+                if depth
+                else ""
+            )
             raise ValueError(
                 f"{self.methods!r} does not fix its token count from the video's grid alone on {family} (with these "
-                "parameters), which vLLM needs to size the prompt; methods the server runs: " + _allowed()
+                f"parameters){hint}, which vLLM needs to size the prompt; methods the server runs: " + _allowed()
             )
         return pipeline
 
     def _check_encode_family(self, family: str) -> None:
-        """Encode-stage methods drop merge units, which only the Qwen towers have: refuse them elsewhere, naming what
-        a server of `family` runs."""
+        """Encode-stage methods drop or merge merge units, which only the Qwen towers have: refuse them elsewhere,
+        naming what a server of `family` runs."""
         for name in parse_spec(self.methods):
             card = registry()[name].card
             if "encode" not in card.stages or family in encode_families(card):
                 continue
+            if card.acts_in_tower:
+                raise ValueError(
+                    f"{name} merges tokens between the vision tower's blocks, which vtc runs inside vLLM's Qwen towers "
+                    f"only; {family}'s tower would unmerge them onto each frame's grid before its pooling, so {name} "
+                    f"would keep the LLM's count there (tower compute only); {name} serves on "
+                    f"{', '.join(encode_families(card))}; methods a {family} server runs: {_allowed(family)}"
+                )
             missing = ", ".join(get_family(family).missing(card.cls.requires))
             raise ValueError(
                 f"{name} drops merge units (each 2x2 block of patches that becomes one LLM token) before the vision "

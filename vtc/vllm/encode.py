@@ -19,6 +19,9 @@ only (never the question), and the pixels are there once the HF processor ran, s
       back onto each video's grid; `vtc.core.engine.connect_video(..., survivors=kept)` then hands the survivors to
       the connect methods, each at its original (t, h, w).
 
+Methods acting between the tower's blocks (`TowerMerger`, ToMe) run in the worker alone, inside vLLM's tower
+(`vtc.vllm.tower`): their count is fixed by the grid, so the prompt processor sizes the prompt without them running.
+
 vLLM keys its processor and encoder caches on the media and the request's processor kwargs (the request's vtc
 settings among them): everything the kept set depends on besides the server's config, which a server cannot change
 without a restart.
@@ -98,12 +101,12 @@ def choose_units(
 
 
 def encoded_count(pipeline: Pipeline, kept: Tensor | None, grid: tuple[int, int, int]) -> int | None:
-    """What the encode stage left of a video for `Pipeline.retained_count(grid, encoded=...)`: its kept units; every
-    unit when the processor chose none (vLLM's profiling inputs, where the worker then encodes everything too);
-    None without an encode method."""
+    """What the pre-tower methods left of a video for `Pipeline.retained_count(grid, encoded=...)`: its kept units;
+    every unit when the processor chose none (vLLM's profiling inputs, where the worker then encodes everything too);
+    None without a pre-tower method (a tower method alone keeps every unit before the tower and counts itself)."""
     if kept is not None:
         return int(kept.numel())
-    return grid[0] * grid[1] * grid[2] if pipeline.has_stage("encode") else None
+    return grid[0] * grid[1] * grid[2] if pipeline.pre_tower_entries() else None
 
 
 # --- worker ------------------------------------------------------------------------------------------------------
@@ -144,11 +147,13 @@ def survivor_metadata(
         out["cu_seqlens"] = frames.to(device)
         out["max_seqlen"] = visual.compute_attn_mask_seqlen(frames)
         return out
-    out["cu_seqlens"], out["max_seqlen"], out["sequence_lengths"] = _segments(visual, frames, device)
+    out["cu_seqlens"], out["max_seqlen"], out["sequence_lengths"] = attention_segment_metadata(visual, frames, device)
     return out
 
 
-def _segments(visual: torch.nn.Module, cu: Tensor, device) -> tuple[Tensor, Tensor, Tensor | None]:
+def attention_segment_metadata(
+    visual: torch.nn.Module, cu: Tensor, device: torch.device
+) -> tuple[Tensor, Tensor, Tensor | None]:
     """(cu_seqlens, max_seqlen, sequence_lengths) of the attention segments `cu` (cumulative patch counts from 0),
     in the form the tower's attention backend takes: vLLM's `MMEncoderAttention` helpers, as the Qwen2.5-VL and
     Qwen3-VL towers' `prepare_encoder_metadata` call them (FlashInfer offsets and bucketed maxima, where it runs)."""
@@ -205,8 +210,10 @@ def _windowed_metadata(
         "window_index": window_index.to(device),
         "reverse_indices": visual.invert_permutation(window_index).to(device),
     }
-    out["cu_seqlens"], out["max_seqlen_full"], out["sequence_lengths_full"] = _segments(visual, frames, device)
-    out["cu_window_seqlens"], out["max_seqlen_window"], out["sequence_lengths_window"] = _segments(
+    out["cu_seqlens"], out["max_seqlen_full"], out["sequence_lengths_full"] = attention_segment_metadata(
+        visual, frames, device
+    )
+    out["cu_window_seqlens"], out["max_seqlen_window"], out["sequence_lengths_window"] = attention_segment_metadata(
         visual, cu_windows, device
     )
     return out

@@ -164,6 +164,7 @@ class Serving:
         self._prepool_capture: PrepoolCapture | None = None
         self._configs: list[ServeConfig] = []
         self._kept: list[Tensor | None] = []
+        self._tower: list[tuple[Tensor, Tensor] | None] = []  # per video: (cells, sizes) the tower methods left
         self._vision: list[dict] = []
         self._prepool: list[Tensor] | None = None
         if self.encodes:
@@ -202,6 +203,7 @@ class Serving:
         rows = [] if settings is None else list(settings)
         self._configs = [request_config(self.config, decode_settings(row)) for row in rows]
         self._kept = [] if kept is None else [torch.as_tensor(k, dtype=torch.long).flatten().cpu() for k in kept]
+        self._tower = []
 
     def config_of(self, index: int) -> ServeConfig:
         return self._configs[index] if index < len(self._configs) else self.config
@@ -212,13 +214,68 @@ class Serving:
         return None if kept is None or kept.numel() == grid[0] * grid[1] * grid[2] else kept
 
     def encode_run(self, run, visual, pixels: Tensor, grid_thw: Tensor, grids: list[tuple[int, int, int]]):
-        """The tower call of these videos: `run` (vLLM's own) when every unit of every video survived the encode
-        stage (bit for bit stock), else vLLM's tower on the survivors' patches alone (`vtc.vllm.encode`)."""
+        """The tower call of these videos: vLLM's tower block by block with the tower methods between its blocks when
+        they change some video (`vtc.vllm.tower`); else `run` (vLLM's own) when every unit of every video survived
+        the pre-tower methods (bit for bit stock), else vLLM's tower on the survivors' patches alone
+        (`vtc.vllm.encode`)."""
+        pipelines = [config_pipeline(self.config_of(k), self.family) for k in range(len(grids))]
         kept = [self.kept_of(k, grid) for k, grid in enumerate(grids)]
-        if all(k is None for k in kept):
+        self._tower = [None] * len(grids)
+        in_tower = any(p.tower_entries() and p.changes_tower(g) for p, g in zip(pipelines, grids))
+        if not in_tower and all(k is None for k in kept):
             return run
         kept = [torch.arange(g[0] * g[1] * g[2]) if k is None else k for k, g in zip(kept, grids)]
-        return functools.partial(encode_survivors, visual, self.family, pixels, grid_thw, kept)
+        if not in_tower:
+            return functools.partial(encode_survivors, visual, self.family, pixels, grid_thw, kept)
+        if pixels is None:  # the processor refuses these requests; the worker cannot merge inside a tower it skips
+            raise RuntimeError(f"vtc: {pipelines[0].spec!r} merges inside the vision tower, which needs the pixels")
+        return functools.partial(self._encode_in_tower, visual, pixels, grid_thw, kept, pipelines)
+
+    def _encode_in_tower(
+        self, visual, pixels: Tensor, grid_thw: Tensor, kept: list[Tensor], pipelines: list[Pipeline]
+    ) -> tuple[Tensor, ...]:
+        """vLLM's tower block by block on the videos' surviving units, with each video's tower methods: videos with the
+        same settings in one run (a run has one pipeline). Per video, its output on the whole unit grid; what the tower
+        methods left of it (cells, sizes) goes to its connect stage (`compress`)."""
+        from vtc.vllm.tower import VllmQwenTower
+
+        tower = VllmQwenTower(visual, self.family)
+        rows = list(torch.split(pixels, grid_thw.prod(-1).tolist()))
+        out: list[Tensor | None] = [None] * len(kept)
+        for pipeline in dict.fromkeys(pipelines):  # in order of first appearance
+            videos = [k for k, p in enumerate(pipelines) if p is pipeline]
+            ctxs = [
+                Context(
+                    retention=pipeline.retention,
+                    family=self.family,
+                    geometry=self.geometry,
+                    video_index=k,
+                    generator=torch.Generator(device="cpu").manual_seed(self.config_of(k).seed),
+                )
+                for k in videos
+            ]
+            pipeline.begin_prompt()
+            features, run = tower.run(
+                torch.cat([rows[k] for k in videos]), grid_thw[videos], [kept[k] for k in videos], pipeline, ctxs
+            )
+            for k, feature, tokens in zip(videos, features, run.tokens):
+                order = torch.argsort(tokens.cell)
+                self._tower[k] = (tokens.cell[order].cpu(), tokens.size[order].cpu())
+                out[k] = feature
+                logger.info(
+                    "vtc %s: video %d: the vision tower's methods kept %d of %d units",
+                    pipeline.spec,
+                    k,
+                    len(tokens),
+                    kept[k].numel(),
+                )
+        return tuple(out)
+
+    def survivors_of(self, index: int, grid: tuple[int, int, int]) -> tuple[Tensor | None, Tensor | None]:
+        """The cells video `index` of this call hands its connect stage and how many units each stands for: what the
+        tower methods left (their sizes), else what the pre-tower methods kept (one each); (None, None): every cell."""
+        tower = self._tower[index] if index < len(self._tower) else None
+        return tower if tower is not None else (self.kept_of(index, grid), None)
 
     def encode(self, run, grids: list[tuple[int, int, int]], grid_thw: Tensor | None = None):
         """Run the vision encoder (`run()`), capturing what the connect methods of these videos read."""
@@ -278,9 +335,18 @@ class Serving:
             capture = self._prepool_of()
             ctx = ctx.replace(prepool=self._prepool[index], pool=capture.pool, project=capture.projection)
         pipeline.begin_prompt()
-        survivors = self.kept_of(index, grid)
-        _, out = connect_video(pipeline, embeds, grid, ctx, extras=extras, timestamps=timestamps, survivors=survivors)
-        promised = pipeline.retained_count(grid, encoded=encoded_count(pipeline, survivors, grid))
+        survivors, weights = self.survivors_of(index, grid)
+        _, out = connect_video(
+            pipeline,
+            embeds,
+            grid,
+            ctx,
+            extras=extras,
+            timestamps=timestamps,
+            survivors=survivors,
+            survivor_weights=weights,
+        )
+        promised = pipeline.retained_count(grid, encoded=encoded_count(pipeline, self.kept_of(index, grid), grid))
         if promised is not None and promised != len(out):
             raise RuntimeError(
                 f"vtc: {pipeline.spec!r} promised {promised} tokens for a video with grid {grid} but kept "
@@ -298,6 +364,7 @@ class Serving:
                 "cells": torch.sort(cells).values.cpu(),
                 "retention": config.retention,
                 "encoded": None if survivors is None else len(survivors),  # units left by the encode stage
+                "sizes": weights,  # units each of them stands for, after tower methods (None: one each)
             }
         )
         del LAST_KEPT[:-64]
@@ -444,8 +511,8 @@ class _VtcProcessor:
         server = server_config(self.info.get_hf_config())
         if server is None or self._profiling or "pixel_values_videos" not in processed_data:
             return processed_data
-        if not config_pipeline(server, self.family).has_stage("encode"):
-            return processed_data
+        if not config_pipeline(server, self.family).pre_tower_entries():
+            return processed_data  # tower methods alone keep every unit before the tower: the worker runs them
         grid_thw = processed_data["video_grid_thw"]
         settings = processed_data.get(SETTINGS_FIELD)
         rows = [None] * len(grid_thw) if settings is None else list(settings)
@@ -476,8 +543,17 @@ class _VtcProcessor:
         return processed_data
 
     def _item_kept(self, item) -> Tensor | None:
-        """The merge units an item's encode stage kept (None: the processor ran none on it)."""
+        """The merge units an item's pre-tower methods kept (None: the processor ran none on it)."""
         return item[KEPT_FIELD].data if KEPT_FIELD in item else None
+
+    def _item_count(self, pipeline: Pipeline, item, grid: tuple[int, int, int]) -> int:
+        """The video's placeholders: its count from the pre-tower methods' survivors and the grid."""
+        if pipeline.tower_entries() and "pixel_values_videos" not in item:
+            raise ValueError(
+                f"{pipeline.spec!r} merges tokens inside the vision tower, which needs the video's pixels; this server "
+                "does not take video embeddings"
+            )
+        return pipeline.retained_count(grid, encoded=encoded_count(pipeline, self._item_kept(item), grid))
 
     def _item_pipeline(self, item) -> Pipeline:
         server = server_config(self.info.get_hf_config())
@@ -531,8 +607,7 @@ class _QwenProcessor(_VtcProcessor):
     def _video_replacement(self, item_idx, original, pipeline, item, mm_items):
         merge = self.info.get_hf_config().vision_config.spatial_merge_size
         grid = _qwen_grid(item["video_grid_thw"].data.tolist(), merge)
-        count = pipeline.retained_count(grid, encoded=encoded_count(pipeline, self._item_kept(item), grid))
-        return [original(item_idx)[0]] * count
+        return [original(item_idx)[0]] * self._item_count(pipeline, item, grid)
 
 
 class _Qwen3Processor(_VtcProcessor):
@@ -545,7 +620,8 @@ class _Qwen3Processor(_VtcProcessor):
         hf_config = self.info.get_hf_config()
         grid = _qwen_grid(item["video_grid_thw"].data.tolist(), hf_config.vision_config.spatial_merge_size)
         kept = self._item_kept(item)
-        frames, count = grid[0], pipeline.retained_count(grid, encoded=encoded_count(pipeline, kept, grid))
+        frames, count = grid[0], self._item_count(pipeline, item, grid)
+        # the span's length is what counts (the model lays it out); exact per frame for ToMe, as many in every frame
         per_frame = [count // frames + (f < count % frames) for f in range(frames)]
         if kept is not None and not pipeline.has_stage("connect"):  # the frames' counts are known already
             per_frame = torch.bincount(kept // (grid[1] * grid[2]), minlength=frames).tolist()

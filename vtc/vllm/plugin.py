@@ -7,7 +7,8 @@ vLLM calls `register()` in every process it starts (API server, engine core, wor
    "module:Class" string, the documented way to add behaviour to a served model). Without a vtc config these
    classes are vLLM's own, unchanged.
 2. checks the vtc config when vLLM builds its `VllmConfig` (so a bad config stops `vllm serve` at start, with a
-   message naming the allowed values), and shares it with the processor: `additional_config` reaches the model
+   message naming the allowed values; tower methods' `depth` is set from the model's vision config, and they are
+   refused on a tensor-parallel tower), and shares it with the processor: `additional_config` reaches the model
    but not the prompt processor, which must size each video's placeholders. The checked config goes on the
    HF config (`hf_config.vtc_serving`), which both sides read and which travels to worker processes with the
    rest of the config.
@@ -30,7 +31,7 @@ from __future__ import annotations
 import functools
 import sys
 
-from vtc.vllm.config import CONFIG_ATTR, KEY, MODEL_CLASSES, ServeConfig, family_of
+from vtc.vllm.config import CONFIG_ATTR, KEY, MODEL_CLASSES, ServeConfig, check_tower_parallelism, family_of
 
 MROPE_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
@@ -53,13 +54,19 @@ def apply_config(vllm_config) -> None:
     model_config = vllm_config.model_config
     if not raw or model_config is None or getattr(model_config, "is_submodel_config", False):
         return  # no vtc config, or the copy vLLM makes for a multimodal model's inner LLM
-    config = ServeConfig.from_dict(raw)
+    hf_config = model_config.hf_config
+    config = ServeConfig.from_dict(raw).for_model(getattr(hf_config, "vision_config", None))
     family = family_of(getattr(model_config, "architectures", None))
     pipeline = config.pipeline(family)
-    hf_config = model_config.hf_config
+    mm = model_config.multimodal_config
+    parallel = getattr(vllm_config, "parallel_config", None)
+    check_tower_parallelism(
+        pipeline,
+        getattr(parallel, "tensor_parallel_size", 1),
+        getattr(mm, "mm_encoder_tp_mode", None) if mm is not None else None,
+    )
     if getattr(hf_config, CONFIG_ATTR, None) == config.to_dict():
         return  # this config was applied already (VllmConfig built again from the same model config)
-    mm = model_config.multimodal_config
     if mm is not None and mm.video_pruning_rate:
         raise ValueError(
             f"vLLM's own video pruning (--video-pruning-rate {mm.video_pruning_rate}) and vtc both prune video "
