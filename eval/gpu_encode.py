@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -78,8 +77,8 @@ def measure(model, processor, video, frames: int, spec: str | None, retention: f
     }
 
 
-def spread(values):
-    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+def spread(values) -> dict[str, float]:
+    return _prefill_module().spread(values)
 
 
 def run(tiny: bool, frames: int, size: int, methods, retention: float, repeats: int, attentions) -> dict[str, Any]:

@@ -147,3 +147,30 @@ def matrix_half(k: int) -> list:
 
     families = set(family_names()[k::2])
     return [case for case in conformance.cases() if case.family in families]
+
+
+def record_survivors(monkeypatch) -> list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]:
+    """Every `connect_video` call of the HF and the vLLM backend, recorded as (the encode stage's surviving cells,
+    their weights or None, their features with Qwen3-VL's DeepStack taps appended), so a test compares what the two
+    backends hand the connect stage."""
+    import vtc.hf.patching
+    from vtc.vllm import models as vllm_models
+
+    recorded: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []
+
+    def recorder(original):
+        def connect_video(*args, **kwargs):
+            embeds = kwargs.get("embeds", args[1] if len(args) > 1 else None)
+            deepstack = (kwargs.get("extras") or {}).get("deepstack")
+            if deepstack is not None:  # HF: [N, taps, D]; vLLM: [N, taps * D]
+                embeds = torch.cat([embeds, deepstack.flatten(1).to(embeds.device, embeds.dtype)], dim=-1)
+            survivors, weights = kwargs["survivors"], kwargs.get("survivor_weights")
+            weights = None if weights is None else weights.float().cpu()
+            recorded.append((survivors.cpu(), weights, embeds[survivors.to(embeds.device)].float().cpu()))
+            return original(*args, **kwargs)
+
+        return connect_video
+
+    monkeypatch.setattr(vtc.hf.patching, "connect_video", recorder(vtc.hf.patching.connect_video))
+    monkeypatch.setattr(vllm_models, "connect_video", recorder(vllm_models.connect_video))
+    return recorded

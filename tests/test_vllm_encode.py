@@ -14,6 +14,7 @@ import torch
 
 import vtc
 from tests.positions_check import assert_positions_kept, video_slots
+from tests.probes import record_survivors
 from tests.test_vllm import Answer, answer, clip, expected_prompt_length
 from vtc.api import prepare_inputs
 from vtc.testing.fixtures import model_and_processor
@@ -170,22 +171,7 @@ def test_hf_and_vllm_keep_the_same_units_and_encode_them_alike(served, monkeypat
     whose residuals tie in steps of 1/255 (vLLM's raw pixels are normalised as transformers does, bit for bit)."""
     family = served.family
     model, processor = model_and_processor(family)
-    recorded: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def recorder(original):
-        def connect_video(*args, **kwargs):
-            embeds = kwargs.get("embeds", args[1] if len(args) > 1 else None)
-            deepstack = (kwargs.get("extras") or {}).get("deepstack")  # Qwen3-VL: the DeepStack taps follow
-            if deepstack is not None:  # HF: [N, taps, D]; vLLM: [N, taps * D]
-                embeds = torch.cat([embeds, deepstack.flatten(1).to(embeds.device, embeds.dtype)], dim=-1)
-            survivors = kwargs["survivors"]
-            recorded.append((survivors.cpu(), embeds[survivors.to(embeds.device)].float().cpu()))
-            return original(*args, **kwargs)
-
-        return connect_video
-
-    monkeypatch.setattr(vtc.hf.patching, "connect_video", recorder(vtc.hf.patching.connect_video))
-    monkeypatch.setattr(vllm_models, "connect_video", recorder(vllm_models.connect_video))
+    recorded = record_survivors(monkeypatch)
     inputs = prepare_inputs(processor, short(0), QUESTION, num_frames=FRAMES, fps=8)
     configs = [{"methods": "pixelprune"}, {"methods": "t_vllm_keep_pattern+pixelprune-video", "retention": 0.5}]
     hf = []
@@ -194,12 +180,12 @@ def test_hf_and_vllm_keep_the_same_units_and_encode_them_alike(served, monkeypat
         with vtc.patch(model, config["methods"], retention=config.get("retention"), processor=processor):
             with torch.no_grad():
                 model(**inputs)
-        hf.append(recorded[-1])
+        hf.append(recorded[-1][::2])  # (cells, features)
     request = video_request(served.llm.get_tokenizer(), short(0), QUESTION)
     for config, (hf_kept, hf_features) in zip(configs, hf):
         recorded.clear()
         ask(served.llm, config, request)
-        kept, features = recorded[-1]
+        kept, _, features = recorded[-1]
         assert torch.equal(kept, hf_kept), config["methods"]
         torch.testing.assert_close(features, hf_features, rtol=1e-5, atol=1e-5, msg=config["methods"])
 

@@ -14,6 +14,7 @@ import torch
 
 import vtc
 from tests.positions_check import assert_positions_kept, video_slots
+from tests.probes import record_survivors
 from tests.test_vllm import answer, expected_prompt_length
 from tests.test_vllm_encode import CHUNK, FRAMES, QUESTION, QWEN, ask, frame_counts, saved, short  # noqa: F401
 from vtc.api import prepare_inputs
@@ -130,22 +131,7 @@ def test_hf_and_vllm_merge_the_same_units_into_the_same_features(served, monkeyp
     up to the two towers' float rounding: the merges, sizes, proportional attention and scatter happen alike in both
     backends (each backend's block loop against its own tower: tests/test_tower.py, and the test below)."""
     model, processor = model_and_processor(served.family)
-    recorded: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-
-    def recorder(original):
-        def connect_video(*args, **kwargs):
-            embeds = kwargs.get("embeds", args[1] if len(args) > 1 else None)
-            deepstack = (kwargs.get("extras") or {}).get("deepstack")  # Qwen3-VL: the DeepStack taps follow
-            if deepstack is not None:  # HF: [N, taps, D]; vLLM: [N, taps * D]
-                embeds = torch.cat([embeds, deepstack.flatten(1).to(embeds.device, embeds.dtype)], dim=-1)
-            survivors, sizes = kwargs["survivors"].cpu(), kwargs["survivor_weights"].float().cpu()
-            recorded.append((survivors, sizes, embeds[survivors.to(embeds.device)].float().cpu()))
-            return original(*args, **kwargs)
-
-        return connect_video
-
-    monkeypatch.setattr(vtc.hf.patching, "connect_video", recorder(vtc.hf.patching.connect_video))
-    monkeypatch.setattr(vllm_models, "connect_video", recorder(vllm_models.connect_video))
+    recorded = record_survivors(monkeypatch)
     inputs = prepare_inputs(processor, noise(), QUESTION, num_frames=FRAMES, fps=8)
     with vtc.patch(model, "tome", retention=0.5, processor=processor), torch.no_grad():
         model(**inputs)

@@ -255,9 +255,11 @@ class Serving:
                 for k in videos
             ]
             pipeline.begin_prompt()
-            features, run = tower.run(
-                torch.cat([rows[k] for k in videos]), grid_thw[videos], [kept[k] for k in videos], pipeline, ctxs
-            )
+            visual.forward = functools.partial(tower.run, kept=[kept[k] for k in videos], pipeline=pipeline, ctxs=ctxs)
+            try:  # through the module call, so hooks on the tower (timers, profilers) see it run
+                features, run = visual(torch.cat([rows[k] for k in videos]), grid_thw[videos])
+            finally:
+                del visual.__dict__["forward"]
             for k, feature, tokens in zip(videos, features, run.tokens):
                 order = torch.argsort(tokens.cell)
                 self._tower[k] = (tokens.cell[order].cpu(), tokens.size[order].cpu())
