@@ -697,6 +697,7 @@ class GRT(vtc.TowerMerger):
     requires: ClassVar[frozenset[str]] = frozenset({"tower_blocks", "prepool"})
     prepool: ClassVar[bool] = True  # stage 2 packs the projected grid before LLaVA's pooling
     whole_frames: ClassVar[bool] = True  # ... every cell of every frame, scored by stage 1's gate
+    reads_lm_head: ClassVar[bool] = True  # ... and matches key frames by the LM head's output distribution
     positions: ClassVar[str] = "compact"  # the official LLaVA code concatenates the packed tokens
 
     # --- configuration ---------------------------------------------------------------------------------------

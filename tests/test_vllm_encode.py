@@ -251,8 +251,9 @@ def test_the_count_starts_from_what_the_encode_stage_kept():
 
 
 def test_configs_that_cannot_serve_are_refused_naming_the_reason(registered):
-    """Encode methods serve on the three Qwen families only (the merge units are the Qwen towers'), and only those that
-    choose patches before the tower; each refusal names why and what the server runs."""
+    """Pre-tower encode methods serve on the three Qwen families only (the merge units are the Qwen towers'); an
+    encode method serves only if it chooses patches before the tower or acts between its blocks; each refusal names
+    why and what the server runs."""
     assert {"pixelprune", "pixelprune-video", "t_vllm_keep_pattern"} <= set(servable_encoders())
     assert "t_vllm_in_tower" not in servable_encoders()
     for family in QWEN:
@@ -265,7 +266,11 @@ def test_configs_that_cannot_serve_are_refused_naming_the_reason(registered):
         reason = "pixelprune drops merge units (each 2x2 block of patches that becomes one LLM token) before the "
         assert reason + f"vision tower, but {family}'s tower has none (it lacks encode_units)" in message
         assert "pixelprune serves on qwen2_vl, qwen2_5_vl, qwen3_vl" in message
-        assert f"methods a {family} server runs: aot, divprune" in message and "encode-stage" not in message
+        assert f"methods a {family} server runs: aot, divprune" in message
+        # what a LLaVA server runs in its encode stage: the tower methods (tests/test_vllm_llava_tower.py)
+        assert message.endswith(
+            f"encode-stage methods (alone or before one of the methods above, on {family}): grt, tome"
+        )
     with pytest.raises(ValueError, match="t_vllm_in_tower acts in the encode stage but does not choose patches") as e:
         ServeConfig.from_dict({"methods": "t_vllm_in_tower"})
     assert re.search(r"encode-stage methods the server runs: [^;]*pixelprune-video", str(e.value))

@@ -194,20 +194,12 @@ def test_r_0_and_retention_1_are_stock_vllm(served, config):
 
 
 def test_what_cannot_serve_is_refused_naming_the_reason():
-    """EarlyTom's count depends on the content; ToMe on a LLaVA family would keep the LLM's count (and vtc runs
-    vLLM's Qwen towers only); after a pre-tower method ToMe's count depends on what it left of each frame; a
-    tensor-parallel tower would have to merge the same tokens on every rank; a request cannot change the tower's
-    depth."""
+    """EarlyTom's count depends on the content; after a pre-tower method ToMe's count depends on what it left of each
+    frame; a tensor-parallel tower would have to merge the same tokens on every rank; a request cannot change the
+    tower's depth. (ToMe and GRT on the LLaVA families: tests/test_vllm_llava_tower.py.)"""
     assert {"tome", "pixelprune"} <= set(servable_encoders()) and "earlytom" not in servable_encoders()
     with pytest.raises(ValueError, match=r"earlytom merges tokens between the vision tower's blocks, but its count "):
         ServeConfig.from_dict({"methods": "earlytom", "retention": 0.25})
-    for family in ("llava_onevision", "llava_next_video"):
-        with pytest.raises(ValueError) as refused:
-            ServeConfig.from_dict({"methods": "tome", "params": {"r": 4}}).pipeline(family)
-        message = str(refused.value)
-        assert f"{family}'s tower would unmerge them onto each frame's grid before its pooling" in message
-        assert "tome would keep the LLM's count there" in message
-        assert "tome serves on qwen2_vl, qwen2_5_vl, qwen3_vl" in message
     with pytest.raises(ValueError, match="tome after pixelprune has no fixed count: pixelprune leaves each temporal"):
         ServeConfig.from_dict({"methods": "pixelprune+tome", "retention": 0.5}).pipeline("qwen2_vl")
     int_r = ServeConfig.from_dict({"methods": "tome", "params": {"r": 4}})

@@ -168,6 +168,7 @@ class Method:
     prepool: ClassVar[bool] = False  # connect reads the frame features before the LLaVA pooling (`ctx.prepool`)
     during_decode: ClassVar[bool] = False  # `prefill` is also called on decode steps (`llm.phase == "decode"`)
     whole_frames: ClassVar[bool] = False  # connect needs every token of every frame: no connect method before it
+    reads_lm_head: ClassVar[bool] = False  # connect calls the LLM's LM head (`ctx.model.get_output_embeddings()`)
     streams: ClassVar[bool] = False  # connect is causal: `vtc.stream` may feed it consecutive chunks of a video
     stream_only: ClassVar[bool] = False  # the method exists only as a stream memory; `vtc.patch` refuses it
     requires: ClassVar[frozenset[str]] = frozenset()  # family features it needs (`vtc.core.families`)
@@ -587,7 +588,7 @@ def _check_class(cls: type, card: MethodCard, bad) -> None:
         bad(f"retention_reference must be one of {', '.join(RETENTION_REFERENCES)}")
     if cls.retention_reference != "llm_input" and "prefill" not in stages:
         bad("only methods acting in the LLM (a prefill hook) count retention past the LLM input")
-    for flag in ("prepool", "whole_frames", "streams"):
+    for flag in ("prepool", "whole_frames", "streams", "reads_lm_head"):
         if getattr(cls, flag) and "connect" not in stages:
             bad(f"{flag} describes a connect hook, but the class has none")
     if card.vision_stats and "connect" not in stages:

@@ -388,9 +388,16 @@ class Pipeline:
         return sorted(self.entries, key=rank)
 
     # --- execution -----------------------------------------------------------------------------------------
-    def begin_prompt(self) -> None:
-        """Start a new prompt: every method gets a fresh `ctx.state`."""
-        self._stores = {e.card.name: {} for e in self.entries}
+    def begin_prompt(self, state: dict[str, dict[str, Any]] | None = None) -> None:
+        """Start a new prompt: every method gets a fresh `ctx.state`, or resumes the one `state` holds for it
+        (`prompt_state`: a serving engine that ran a video's tower methods in one call resumes what they left for
+        that video's connect call)."""
+        state = state or {}
+        self._stores = {e.card.name: dict(state.get(e.card.name, {})) for e in self.entries}
+
+    def prompt_state(self) -> dict[str, dict[str, Any]]:
+        """Every method's `ctx.state` of the prompt in progress (shallow copies), for `begin_prompt(state)`."""
+        return {name: dict(store) for name, store in self._stores.items()}
 
     def _call(self, e: Entry, hook: str, ctx: Context, recorder: StatsRecorder | None, arg: Any) -> Any:
         """Call one method's hook with its own view of the context (its state, its prepared data, its reports),

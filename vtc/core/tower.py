@@ -13,6 +13,10 @@ groups; on SigLIP / CLIP (LLaVA) one patch, and a CLIP class token, which has no
 Tokens are grouped by frame (temporal patch), frames in ascending order and contiguous, a class token first in its
 frame; within a frame the order is the method's (ToMe's `[unmerged A ; B]` order is not the spatial one). Attention
 never depends on that order: every token carries its own position.
+
+The block loops live here too, shared by the HF and vLLM backends, which subclass them with their modules' calls:
+`MergeUnitTower` (the Qwen towers) and `FrameTower` (SigLIP / CLIP, with `pooled_survivors`: what a LLaVA video hands
+its connect stage).
 """
 
 from __future__ import annotations
@@ -441,3 +445,179 @@ class MergeUnitTower:
             out = out[inverse]
             keys = None if keys is None else keys[inverse]
         return out, keys
+
+
+# --- LLaVA's SigLIP / CLIP towers block by block, whatever the backend -------------------------------------------
+
+
+def pooled_survivors(tokens: TowerTokens, cells_per_frame: int) -> tuple[Tensor, Tensor]:
+    """What one video of a SigLIP / CLIP tower hands the connect stage once every frame was unmerged onto its grid and
+    pooled to `cells_per_frame` LLM cells: the cells of the frames that kept tokens of their own (ascending), and how
+    many original frames each such cell stands for (a frame EarlyTom folded others into counts them; a ToMe frame
+    counts 1). A frame's tokens (its class token included) hold its whole share of the sizes, so the frames held are
+    their sizes over the tokens a frame starts with."""
+    frames = tokens.grid[0]
+    per_frame = tokens.grid[1] * tokens.grid[2] + int(tokens.has_class_token)
+    alive = torch.unique(tokens.frame).cpu()
+    kept = (alive[:, None] * cells_per_frame + torch.arange(cells_per_frame)).flatten()
+    held = torch.zeros(frames, device=tokens.size.device).index_add_(0, tokens.frame, tokens.size.float())
+    weight = (held.cpu()[alive] / per_frame).repeat_interleave(cells_per_frame)
+    return kept, weight
+
+
+class FrameTower:
+    """The block loop of LLaVA's SigLIP / CLIP towers, shared by the HF and vLLM backends (`vtc.hf.tower.LlavaTower`,
+    `vtc.vllm.tower.VllmFrameTower`), whose modules have the same names and order (`embeddings`, CLIP's
+    `pre_layrnorm`, every layer's `layer_norm1`, `self_attn`, `layer_norm2`, `mlp`) and differ in how an attention
+    module is called, not in what runs when.
+
+    Every frame is one batch item of `side x side` patches (plus a CLIP class token, first); tokens stay dense (every
+    frame of a call keeps the same count: ToMe merges as many in every frame). The tower methods get every video's
+    tokens after the embedding (with the patches' pixels), after every layer's attention (with the keys, and the
+    attention each token receives where asked) and after every layer (`TowerRun.hook`); at the end every frame is
+    unmerged onto its patch grid (each patch gets the token holding it, ToMe's source map), so the model's own
+    projector and pooling see a whole grid. A backend subclass gives the attention module's calls: `projections`,
+    `project_out` and `own_attention`."""
+
+    def __init__(self, model, side: int, class_token: bool) -> None:
+        self.model = model  # the vision transformer: embeddings, pre_layrnorm (CLIP), encoder.layers
+        self.layers = list(model.encoder.layers)
+        self.side = int(side)
+        self.class_token = bool(class_token)
+
+    # --- what a backend gives ------------------------------------------------------------------------------------
+    def projections(self, attn, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The attention module's query, key and value projections of normed `h` [frames, n, D], each
+        [frames, n, heads, head_dim]."""
+        raise NotImplementedError
+
+    def project_out(self, attn, x: Tensor) -> Tensor:
+        """The attention module's output projection of `x` [frames, n, heads * head_dim]."""
+        raise NotImplementedError
+
+    def own_attention(self, attn, h: Tensor, keys_wanted: bool) -> tuple[Tensor, Tensor | None]:
+        """The attention module itself on normed `h` [frames, n, D] (its own attention implementation) -> its output
+        [frames, n, D] and, when `keys_wanted`, the key projection [frames, n, heads, head_dim]."""
+        raise NotImplementedError
+
+    # --- the loop ------------------------------------------------------------------------------------------------
+    def embed(self, pixels: Tensor) -> Tensor:
+        """[frames, (1 +) side^2, D]: the tower's own embeddings (patches and absolute positions; CLIP's class token
+        and pre-layernorm)."""
+        x = self.model.embeddings(pixels.type(self.model.embeddings.patch_embedding.weight.dtype))
+        if hasattr(self.model, "pre_layrnorm"):  # CLIP
+            x = self.model.pre_layrnorm(x)
+        return x
+
+    def run(
+        self, pixels: Tensor, frames: list[int], last_layer: int, pipeline: Pipeline, ctxs: list[Context]
+    ) -> tuple[list[Tensor], list[Tensor], TowerRun]:
+        """The encoder on `pixels` [sum frames, C, H, W] up to encoder layer `last_layer` (0-based) with the pipeline's
+        tower methods between blocks. Returns per video the output of `last_layer` unmerged onto every frame's
+        tokens [frames, (1 +) side * side, D] (a frame folded into another: zeros), the frames that kept tokens of
+        their own, and the run."""
+        side, cls = self.side, int(self.class_token)
+        per_frame = side * side + cls
+        x = self.embed(pixels)
+        dim = x.shape[-1]
+        x = x.reshape(-1, 1, dim)
+        tokens, start = [], 0
+        patch = torch.arange(side * side, device=x.device)
+        for f in frames:
+            frame = torch.arange(f, device=x.device).repeat_interleave(per_frame)
+            cells = torch.cat([torch.cat([patch.new_full((cls,), -1), i * side * side + patch]) for i in range(f)])
+            tokens.append(
+                initial_tokens(x[start : start + f * per_frame], cells, frame, (f, side, side), last_layer + 1)
+            )
+            start += f * per_frame
+        run = TowerRun(pipeline, ctxs, tokens)
+        keys_wanted, proportional = pipeline.tower_needs_keys, pipeline.proportional_attention
+        attention_layers = pipeline.tower_attention_layers(last_layer + 1)
+        x = self._hook(run, x, -1, "embedded", pixels=self._patches(pixels, x.dtype))
+        for layer in range(last_layer + 1):
+            block = self.layers[layer]
+            dense = self._dense(run, x, dim)
+            bias = torch.cat([t.size for t in run.tokens]).log().view(dense.shape[:2]) if proportional else None
+            normed = block.layer_norm1(dense)
+            attended, keys = self._attention(block.self_attn, normed, bias, keys_wanted)
+            received = self._received(block.self_attn, normed) if layer in attention_layers else None
+            x = (dense + attended).reshape(-1, 1, dim)
+            x = self._hook(run, x, layer, "after_attention", keys=keys, received=received)
+            dense = self._dense(run, x, dim)
+            x = (dense + block.mlp(block.layer_norm2(dense))).reshape(-1, 1, dim)
+            x = self._hook(run, x, layer, "after_block")
+        features, alive, offset = [], [], 0
+        for t, f in zip(run.tokens, frames):
+            hidden = x[offset : offset + len(t), 0]
+            offset += len(t)
+            features.append(self.unmerge(t, hidden, f))
+            alive.append(torch.unique(t.frame))
+        return features, alive, run
+
+    def _dense(self, run: TowerRun, x: Tensor, dim: int) -> Tensor:
+        """x as [frames, tokens per frame, D]; refuses a call whose frames were left with different counts."""
+        lengths = torch.cat([t.frame_lengths() for t in run.tokens])
+        lengths = lengths[lengths > 0]
+        if bool((lengths != lengths[0]).any()):
+            raise RuntimeError(
+                f"the tower methods {', '.join(e.card.name for e in run.pipeline.tower_entries())} left the frames of "
+                f"one SigLIP/CLIP call with different token counts ({sorted(set(lengths.tolist()))}); this tower runs "
+                "every frame as one batch item, so every frame must keep the same number of tokens"
+            )
+        return x.view(-1, int(lengths[0]), dim)
+
+    @staticmethod
+    def _hook(run: TowerRun, x: Tensor, layer: int, point: str, **extra) -> Tensor:
+        gather = run.hook(x, layer, point, **extra)
+        return x if gather is None else run.new_hidden
+
+    def _patches(self, pixels: Tensor, dtype: torch.dtype) -> Tensor:
+        """[frames * tokens, 1, C * P * P]: every frame's patches in the patch embedding's weight order (a class
+        token: zeros)."""
+        patch = self.model.embeddings.patch_embedding.kernel_size[0]
+        patches = F.unfold(pixels.to(dtype), kernel_size=patch, stride=patch).transpose(1, 2)  # [F, S, C*P*P]
+        if self.class_token:
+            patches = F.pad(patches, (0, 0, 1, 0))
+        return patches.reshape(-1, 1, patches.shape[-1])
+
+    def _received(self, attn, normed: Tensor) -> Tensor:
+        """[frames * n]: the attention each token receives in its frame, mean over heads and queries."""
+        from vtc.core.vision_stats import frame_stats
+
+        n = normed.shape[1]
+        q, k, _ = self.projections(attn, normed)
+        return (frame_stats(q.transpose(1, 2), k.transpose(1, 2), attn.scale, {"received"})["received"] / n).flatten()
+
+    def _attention(self, attn, h: Tensor, bias: Tensor | None, keys_wanted: bool) -> tuple[Tensor, Tensor | None]:
+        """The layer's attention on normed `h` [frames, n, D]: its own module, or SDPA with the per-key `bias`
+        [frames, n] from its own projections (proportional attention); and the keys [frames * n, 1, heads,
+        head_dim] when asked."""
+        frames, n, _ = h.shape
+        if bias is None:
+            out, keys = self.own_attention(attn, h, keys_wanted)
+        else:
+            q, keys, v = self.projections(attn, h)
+            q, k, v = (x.transpose(1, 2) for x in (q, keys, v))  # [frames, heads, n, head_dim]
+            mask = bias[:, None, None, :].to(q.dtype)
+            context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scale)
+            out = self.project_out(attn, context.transpose(1, 2).reshape(frames, n, -1))
+        if not keys_wanted or keys is None:
+            return out, None
+        return out, keys.reshape(frames * n, 1, *keys.shape[2:])
+
+    def unmerge(self, tokens: TowerTokens, hidden: Tensor, frames: int) -> Tensor:
+        """[frames, (1 +) side^2, D]: every cell of a frame that kept tokens of its own gets the token holding it
+        (the class token its own), other frames zeros."""
+        side2 = self.side * self.side
+        cls = int(self.class_token)
+        out = hidden.new_zeros(frames, side2 + cls, hidden.shape[-1])
+        alive = torch.unique(tokens.frame)
+        cells = (alive[:, None] * side2 + torch.arange(side2, device=alive.device)).flatten()
+        holder = tokens.holder[cells]
+        if bool((holder < 0).any()):
+            raise RuntimeError("a tower method dropped patches of a frame whose grid LLaVA's pooling needs whole")
+        out[alive, cls:] = hidden[holder].view(alive.numel(), side2, -1)
+        if cls:
+            first = torch.nonzero(tokens.cell < 0).flatten()
+            out[tokens.frame[first], 0] = hidden[first]
+        return out

@@ -255,6 +255,7 @@ class EncodeStage:
         call = self._llava_call
         if call is None:  # images, or any call outside a video feature call: the tower as it is
             return self._original_tower(pixel_values, *args, **kwargs)
+        from vtc.core.tower import pooled_survivors
         from vtc.hf.adapters.base import tower_feature_layer
         from vtc.hf.tower import LlavaTower
 
@@ -266,18 +267,14 @@ class EncodeStage:
         run = None
         if self.pipeline.changes_tower((frames[0], tower.side, tower.side)):
             contexts = self._contexts(call["ctx"], len(frames))
-            features, alive, run = tower.run(pixel_values, frames, last, self.pipeline, contexts)
+            features, _, run = tower.run(pixel_values, frames, last, self.pipeline, contexts)
         h, w = adapter.frame_grid()
         encoded, counts = [], []
         for k, f in enumerate(frames):
-            kept_frames = torch.arange(f) if run is None else alive[k].cpu()
-            kept = (kept_frames[:, None] * (h * w) + torch.arange(h * w)).flatten()
-            weight = None
-            if run is not None:  # a pooled cell stands for as many frames as its frame's tokens do
-                tokens = run.tokens[k]
-                frames_held = torch.zeros(f, device=tokens.size.device).index_add_(0, tokens.frame, tokens.size)
-                frames_held = frames_held[kept_frames.to(frames_held.device)] / (tower.side * tower.side)
-                weight = frames_held.repeat_interleave(h * w)
+            if run is None:
+                kept, weight = torch.arange(f * h * w), None
+            else:  # a pooled cell stands for as many frames as its frame's tokens do (shared with vLLM)
+                kept, weight = pooled_survivors(run.tokens[k], h * w)
             counts.append((f * h * w, kept.numel()))
             encoded.append(EncodedVideo((f, h, w), kept, [], weight))
         if run is not None:

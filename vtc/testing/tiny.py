@@ -606,9 +606,17 @@ def build_internvl(shape: TinySize):
     return InternVLForConditionalGeneration(config), processor
 
 
-def save(family: str, path: str, size: str = "tiny", seed: int = 0, dtype: torch.dtype = torch.float32) -> str:
+def save(
+    family: str,
+    path: str,
+    size: str = "tiny",
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    built: tuple[Any, Any] | None = None,
+) -> str:
     """Save a tiny random-weight model of `family` and its processor to `path`, loadable offline by transformers
-    and by vLLM (`vllm.LLM(path)`, `vllm serve path`). Returns `path`.
+    and by vLLM (`vllm.LLM(path)`, `vllm serve path`). Returns `path`. `built`: the (model, processor) to save
+    instead of building them (a test that compares HF with vLLM saves the very model it runs).
 
     transformers 5.x saves LLaVA vision towers as `vision_tower.embeddings...`; vLLM's loaders expect the CLIP /
     SigLIP wrapper name (`vision_tower.vision_model...`), so the checkpoint is rewritten with those names
@@ -617,7 +625,7 @@ def save(family: str, path: str, size: str = "tiny", seed: int = 0, dtype: torch
 
     from safetensors.torch import load_file, save_file
 
-    model, processor = build(family, size=size, seed=seed, dtype=dtype)
+    model, processor = built if built is not None else build(family, size=size, seed=seed, dtype=dtype)
     model.save_pretrained(path)
     processor.save_pretrained(path)
     if family.startswith("llava"):

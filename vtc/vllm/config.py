@@ -5,11 +5,11 @@ encoded, and vLLM caches encoder outputs per video, across requests and question
 it acts in the `connect` stage, its count is a pure function of the video's grid (`retained_count`), and it does
 not read the question; or if it chooses each video's merge units before the vision tower (an encode-stage
 `PatchSelector`, on the Qwen families), which the prompt processor runs on the pixels, so the prompt is sized from
-what it kept (`vtc.vllm.encode`); or if it merges units between the vision tower's blocks with a count fixed by the
-grid (a `TowerMerger` such as ToMe, on the Qwen families), which the worker runs inside vLLM's own tower
-(`vtc.vllm.tower`). `ServeConfig.pipeline(family)` builds the pipeline the server runs and refuses anything else with
-a message naming the serving-capable methods. No vLLM import here: the CLI checks a config with it before it starts
-vLLM.
+what it kept (`vtc.vllm.encode`); or if it acts between the vision tower's blocks with a count fixed by the grid
+(a `TowerMerger` such as ToMe on every family, or GRT on LLaVA, whose connect stage then runs after the tower), which
+the worker runs inside vLLM's own tower (`vtc.vllm.tower`). `ServeConfig.pipeline(family)` builds the pipeline the
+server runs and refuses anything else with a message naming the serving-capable methods. No vLLM import here: the CLI
+checks a config with it before it starts vLLM.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ import json
 import math
 from typing import Any
 
-from vtc.core.bases import PatchSelector, survivors_reach_llm
+from vtc.core.bases import PatchSelector
 from vtc.core.families import get_family
+from vtc.core.geometry import default_geometry
 from vtc.core.method import MethodCard
 from vtc.core.pipeline import Pipeline, parse_spec, validate_retention
 from vtc.core.registry import registry
@@ -49,8 +50,14 @@ MODEL_CLASSES = {
     "LlavaNextVideoForConditionalGeneration": "VtcLlavaNextVideo",
 }
 
-# a grid to probe whether a pipeline's count is a pure function of the grid
+# a grid to probe whether a pipeline's count is a pure function of the grid (on a family whose tower pools a fixed
+# patch grid, LLaVA's, its own token grid: a method may promise a count for the published tower's grid only, GRT)
 _PROBE_GRID = (8, 12, 12)
+
+
+def _probe_grid(family: str) -> tuple[int, int, int]:
+    cells = default_geometry(family).token_grid_size()
+    return _PROBE_GRID if cells is None else (_PROBE_GRID[0], *cells)
 
 
 def family_of(architectures: list[str] | tuple[str, ...] | None) -> str:
@@ -85,13 +92,13 @@ def servable_samplers() -> list[str]:
 def servable_encoders() -> list[str]:
     """Installed encode-stage methods a server can run: those that choose each video's merge units before the vision
     tower (`PatchSelector`: the prompt processor runs them on the pixels, so their count may depend on the content),
-    and those that merge units between the tower's blocks with a count fixed by the grid (`TowerMerger`: the worker
-    runs them inside vLLM's tower, block by block)."""
+    and those that act between the tower's blocks with a count fixed by the grid (`TowerMerger`: the worker runs them
+    inside vLLM's tower, block by block; GRT also in the connect stage after it)."""
     return sorted(card.name for card in registry().cards() if _chooses_patches(card) or _merges_in_tower(card))
 
 
 def servable_tower_methods() -> list[str]:
-    """The servable encode-stage methods that act between the vision tower's blocks (ToMe)."""
+    """The servable encode-stage methods that act between the vision tower's blocks (ToMe, GRT)."""
     return sorted(card.name for card in registry().cards() if _merges_in_tower(card))
 
 
@@ -100,25 +107,24 @@ def _chooses_patches(card: MethodCard) -> bool:
 
 
 def _merges_in_tower(card: MethodCard) -> bool:
+    """Acts between the tower's blocks alone, or there and in a connect stage that can serve (GRT), with a count fixed
+    by the grid."""
     return (
-        card.stages == ("encode",)
+        "encode" in card.stages
+        and set(card.stages) <= {"encode", "connect"}
         and card.acts_in_tower
         and not card.acts_before_tower
         and card.fixed_count
+        and not card.query_aware
         and not card.stream_only
     )
 
 
 def encode_families(card: MethodCard) -> list[str]:
     """The served families an encode-stage method runs on: those whose tower offers what it requires (the Qwen
-    towers' merge units); for a tower method also one whose surviving tokens reach the LLM (LLaVA's SigLIP / CLIP
-    unmerge their tokens onto the frame grid before the pooling, so a tower method keeps the LLM's count there, and
-    vtc runs vLLM's Qwen towers block by block only)."""
-    return [
-        f
-        for f in dict.fromkeys(ARCHITECTURES.values())
-        if not get_family(f).missing(card.cls.requires) and (not card.acts_in_tower or survivors_reach_llm(f))
-    ]
+    towers' merge units for a pre-tower method; a tower method runs block by block inside vLLM's Qwen towers and
+    LLaVA's SigLIP / CLIP alike, and GRT needs LLaVA's pre-pool grid)."""
+    return [f for f in dict.fromkeys(ARCHITECTURES.values()) if not get_family(f).missing(card.cls.requires)]
 
 
 def _allowed(family: str | None = None) -> str:
@@ -134,8 +140,9 @@ def _allowed(family: str | None = None) -> str:
 
 
 def _check_tower_method(card: MethodCard, allowed: str) -> None:
-    """A method acting between the vision tower's blocks serves when that is all it does and its count is fixed by the
-    grid (the worker runs it inside vLLM's tower, after the prompt was sized); else a ValueError saying why not."""
+    """A method acting between the vision tower's blocks serves when its count is fixed by the grid and it acts
+    nowhere else but in a connect stage after the tower (the worker runs it inside vLLM's tower, after the prompt was
+    sized, then its connect hook on what the tower gave); else a ValueError saying why not."""
     name = card.name
     tower = ", ".join(servable_tower_methods())
     if not card.fixed_count:
@@ -144,11 +151,13 @@ def _check_tower_method(card: MethodCard, allowed: str) -> None:
             f"({card.retention_note or 'it has no retained_count'}), and vLLM sizes each prompt before the tower runs; "
             f"tower methods with a count fixed by the grid serve: {tower}; methods the server runs: {allowed}"
         )
-    if card.acts_before_tower or card.stages != ("encode",):
+    if card.acts_before_tower or not set(card.stages) <= {"encode", "connect"} or card.query_aware:
         raise ValueError(
             f"{name} acts between the vision tower's blocks and in another place too (stages "
-            f"{', '.join(card.stages)}{', before the tower' if card.acts_before_tower else ''}); a server runs tower "
-            f"methods that act in the tower alone: {tower}; methods the server runs: {allowed}"
+            f"{', '.join(card.stages)}{', before the tower' if card.acts_before_tower else ''}"
+            f"{', reading the question' if card.query_aware else ''}); a server runs tower methods that act in the "
+            f"tower alone or before a connect stage that reads no question: {tower}; methods the server runs: "
+            f"{allowed}"
         )
 
 
@@ -174,15 +183,54 @@ def tower_depth_params(methods: str, params: dict[str, Any], vision_config: Any)
     return out
 
 
-def check_tower_parallelism(pipeline: Pipeline, tensor_parallel_size: int, encoder_tp_mode: str | None) -> None:
+# families whose vLLM model takes `--mm-encoder-tp-mode data` (`supports_encoder_tp_data`); vLLM runs the others'
+# towers split by weights under tensor parallelism, whatever the flag says
+ENCODER_DATA_PARALLEL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+
+
+def check_tower_parallelism(
+    pipeline: Pipeline,
+    tensor_parallel_size: int,
+    encoder_tp_mode: str | None,
+    family: str | None = None,
+    pipeline_parallel_size: int = 1,
+) -> None:
     """Refuse tower methods under tensor parallelism of the vision tower. Each block's projections are then split by
     heads across the ranks and summed by an all-reduce, row by row: every rank must merge the same tokens, in the
     same order, in every block, or the sums mix different tokens (or the collectives hang on different counts). A
     merge decided from keys and hidden states that can differ across ranks in the last bits gives no such guarantee
     without broadcasting them every block; `--mm-encoder-tp-mode data` runs the whole (small) tower on every rank
-    instead, with no collective inside it, and the first rank's result feeds every rank's LLM."""
+    instead, with no collective inside it, and the first rank's result feeds every rank's LLM. vLLM's LLaVA models
+    do not take that mode (vLLM falls back to splitting the tower), so there tower methods need one rank.
+
+    Also refuse a method that reads the LM head (`reads_lm_head`: GRT's key-frame matching) where the rank that
+    encodes does not hold it whole: tensor parallelism splits it by vocabulary, and under pipeline parallelism the
+    first stage, which encodes, holds no LM head at all."""
     tower = [e.card.name for e in pipeline.tower_entries()]
-    if not tower or tensor_parallel_size <= 1 or encoder_tp_mode == "data":
+    head = [e.card.name for e in pipeline.entries if e.card.reads_lm_head]
+    if head and (tensor_parallel_size > 1 or pipeline_parallel_size > 1):
+        split = (
+            f"--tensor-parallel-size {tensor_parallel_size} splits it by vocabulary across the ranks"
+            if tensor_parallel_size > 1
+            else f"with --pipeline-parallel-size {pipeline_parallel_size} the first stage, which encodes the video, "
+            "holds no LM head"
+        )
+        raise ValueError(
+            f"{'+'.join(head)} compares key frames by the LLM's LM head over the whole vocabulary while it encodes a "
+            f"video, and {split}; serve {'+'.join(head)} on one rank (--tensor-parallel-size 1 "
+            "--pipeline-parallel-size 1)"
+        )
+    if not tower or tensor_parallel_size <= 1:
+        return
+    if family is not None and family not in ENCODER_DATA_PARALLEL:
+        raise ValueError(
+            f"{'+'.join(tower)} acts between the vision tower's blocks, which vtc does not run on a tower split "
+            f"across {tensor_parallel_size} tensor-parallel ranks (each rank holds a share of every block's heads, so "
+            f"every rank would have to merge the same tokens in every block); vLLM's {family} model splits its tower "
+            "whenever the LLM is tensor-parallel (it does not take --mm-encoder-tp-mode data), so serve "
+            f"{'+'.join(tower)} with --tensor-parallel-size 1"
+        )
+    if encoder_tp_mode == "data":
         return
     raise ValueError(
         f"{'+'.join(tower)} merges tokens between the vision tower's blocks, which vtc does not run on a tower split "
@@ -385,8 +433,9 @@ class ServeConfig:
                     f"processor (where the server chooses frames) cannot call; {fix}"
                 )
         # a pre-tower method's count is known once the prompt processor ran it on the pixels: probe with one
-        encoded = math.prod(_PROBE_GRID) // 2 if pipeline.pre_tower_entries() else None
-        if pipeline.retained_count(_PROBE_GRID, encoded=encoded) is None:
+        probe = _probe_grid(family)
+        encoded = math.prod(probe) // 2 if pipeline.pre_tower_entries() else None
+        if pipeline.retained_count(probe, encoded=encoded) is None:
             tower = [e.card.name for e in pipeline.tower_entries()]
             before = [e.card.name for e in pipeline.pre_tower_entries()]
             if tower and before:
@@ -412,20 +461,20 @@ class ServeConfig:
         return pipeline
 
     def _check_encode_family(self, family: str) -> None:
-        """Encode-stage methods drop or merge merge units, which only the Qwen towers have: refuse them elsewhere,
+        """Encode-stage methods need what they require of the family's tower (pre-tower methods drop merge units,
+        which only the Qwen towers have; GRT needs LLaVA's pre-pool grid): refuse them elsewhere,
         naming what a server of `family` runs."""
         for name in parse_spec(self.methods):
             card = registry()[name].card
             if "encode" not in card.stages or family in encode_families(card):
                 continue
+            missing = ", ".join(get_family(family).missing(card.cls.requires))
             if card.acts_in_tower:
                 raise ValueError(
-                    f"{name} merges tokens between the vision tower's blocks, which vtc runs inside vLLM's Qwen towers "
-                    f"only; {family}'s tower would unmerge them onto each frame's grid before its pooling, so {name} "
-                    f"would keep the LLM's count there (tower compute only); {name} serves on "
-                    f"{', '.join(encode_families(card))}; methods a {family} server runs: {_allowed(family)}"
+                    f"{name} acts between the vision tower's blocks and needs what {family}'s model lacks ({missing}); "
+                    f"{name} serves on {', '.join(encode_families(card))}; methods a {family} server runs: "
+                    f"{_allowed(family)}"
                 )
-            missing = ", ".join(get_family(family).missing(card.cls.requires))
             raise ValueError(
                 f"{name} drops merge units (each 2x2 block of patches that becomes one LLM token) before the vision "
                 f"tower, but {family}'s tower has none (it lacks {missing}); {name} serves on "

@@ -12,7 +12,9 @@ one (`additional_config={"vtc": {...}}`):
       vLLM's own pruning lays it out. Encode-stage methods (Qwen) run here, on the processor's pixels: the kept
       merge units travel with the video too (`vtc_kept`), and the count starts from them (`vtc.vllm.encode`);
   model (each worker): the vision encoder runs as usual (statistics captured if a method asks; on the survivors'
-      patches alone after an encode method), then `vtc.core.engine.connect_video` compresses each video. The
+      patches alone after an encode method; block by block with the tower methods between its blocks, on the Qwen
+      towers and LLaVA's SigLIP / CLIP alike, `vtc.vllm.tower`), then `vtc.core.engine.connect_video` compresses
+      each video (a tower method's connect stage, GRT's, with the state its tower run left for that video). The
       survivors go back frame by frame, in the order vtc's HF backend uses; on the Qwen families every image and
       video also carries its slots' stock M-RoPE positions (`vtc.vllm.positions`, vtc's own position computation,
       which places several videos, images and chunked prefills right).
@@ -70,6 +72,7 @@ from vtc.core.engine import connect_video, grid_cells
 from vtc.core.geometry import FamilyGeometry
 from vtc.core.pipeline import Pipeline
 from vtc.core.tokens import Context
+from vtc.core.tower import TowerTokens, pooled_survivors
 from vtc.hf.prepool import PrepoolCapture
 from vtc.vllm.config import CONFIG_ATTR, KEY, ServeConfig, request_question, without_question
 from vtc.vllm.encode import KEPT_FIELD, choose_units, encode_survivors, encoded_count
@@ -165,10 +168,15 @@ class Serving:
         self._configs: list[ServeConfig] = []
         self._kept: list[Tensor | None] = []
         self._tower: list[tuple[Tensor, Tensor] | None] = []  # per video: (cells, sizes) the tower methods left
+        self._frame_tokens: list[TowerTokens | None] = []  # per video: what a SigLIP / CLIP tower's methods left
+        self._tower_state: list[dict | None] = []  # per video: its methods' ctx.state once its tower ran
         self._vision: list[dict] = []
         self._prepool: list[Tensor] | None = None
+        self.served_model: ServedModel | None = None  # `ctx.model` of the connect methods that read the LM head
         if self.encodes:
             self.stats_capture(self.pipeline)  # checks the statistics the server's methods read, at start
+            if any(e.card.reads_lm_head for e in self.pipeline.entries):  # GRT: the LM head, checked at start
+                self.served_model = ServedModel(model)
 
     @classmethod
     def create(cls, model: torch.nn.Module, vllm_config, family: str) -> "Serving | None":
@@ -203,7 +211,7 @@ class Serving:
         rows = [] if settings is None else list(settings)
         self._configs = [request_config(self.config, decode_settings(row)) for row in rows]
         self._kept = [] if kept is None else [torch.as_tensor(k, dtype=torch.long).flatten().cpu() for k in kept]
-        self._tower = []
+        self._tower, self._frame_tokens, self._tower_state = [], [], []
 
     def config_of(self, index: int) -> ServeConfig:
         return self._configs[index] if index < len(self._configs) else self.config
@@ -220,7 +228,7 @@ class Serving:
         (`vtc.vllm.encode`)."""
         pipelines = [config_pipeline(self.config_of(k), self.family) for k in range(len(grids))]
         kept = [self.kept_of(k, grid) for k, grid in enumerate(grids)]
-        self._tower = [None] * len(grids)
+        self._tower, self._tower_state = [None] * len(grids), [None] * len(grids)
         in_tower = any(p.tower_entries() and p.changes_tower(g) for p, g in zip(pipelines, grids))
         if not in_tower and all(k is None for k in kept):
             return run
@@ -260,9 +268,11 @@ class Serving:
                 features, run = visual(torch.cat([rows[k] for k in videos]), grid_thw[videos])
             finally:
                 del visual.__dict__["forward"]
+            state = pipeline.prompt_state()  # what the tower methods left for these videos' connect calls
             for k, feature, tokens in zip(videos, features, run.tokens):
                 order = torch.argsort(tokens.cell)
                 self._tower[k] = (tokens.cell[order].cpu(), tokens.size[order].cpu())
+                self._tower_state[k] = state
                 out[k] = feature
                 logger.info(
                     "vtc %s: video %d: the vision tower's methods kept %d of %d units",
@@ -273,9 +283,103 @@ class Serving:
                 )
         return tuple(out)
 
+    def frame_encode_run(self, run, tower: torch.nn.Module, frames: list[int]):
+        """The LLaVA tower call of these videos (`frames` each, in the order vLLM's model stacks them): `run` itself
+        (vLLM's own tower, bit for bit stock) unless a tower method changes some video, else `run` with the tower's
+        forward answered block by block (`vtc.vllm.tower.VllmFrameTower`) for the videos whose methods change it;
+        the model's own projector and pooling then run on what it returns, as on the HF backend."""
+        pipelines = [config_pipeline(self.config_of(k), self.family) for k in range(len(frames))]
+        self._frame_tokens, self._tower_state = [None] * len(frames), [None] * len(frames)
+        side = tower.vision_model.config.image_size // tower.vision_model.config.patch_size
+        changes = [bool(p.tower_entries()) and p.changes_tower((f, side, side)) for p, f in zip(pipelines, frames)]
+        if not any(changes):
+            return run
+
+        def call():
+            tower.forward = functools.partial(self._frame_tower_forward, tower, frames, pipelines, changes)
+            try:  # through the module call, so hooks on the tower (timers, profilers) see it run
+                return run()
+            finally:
+                del tower.__dict__["forward"]
+
+        return call
+
+    def _frame_tower_forward(
+        self,
+        tower: torch.nn.Module,
+        frames: list[int],
+        pipelines: list[Pipeline],
+        changes: list[bool],
+        pixel_values: Tensor,
+        select_layers: list[int] | None = None,
+        feature_select_strategy: Any = None,
+        **kwargs: Any,
+    ) -> Tensor:
+        """The vision tower's forward on every frame of the call's videos (`pixel_values` [sum frames, C, H, W]): the
+        videos whose tower methods change them block by block, each group of videos with the same settings in one
+        run (a run has one pipeline), the others through the tower's own forward; every frame's output where the
+        tower's own forward puts it. What the methods left of each video (its tokens, its methods' ctx.state) goes
+        to its connect call (`compress`)."""
+        from vtc.vllm.tower import VllmFrameTower
+
+        if select_layers is not None or kwargs.get("interpolate_pos_encoding"):
+            raise ValueError(
+                "vtc's tower methods run the tower's last layer on its own image size; this call asks for "
+                f"{'layers ' + str(select_layers) if select_layers is not None else 'interpolated positions'}"
+            )
+        if pixel_values.shape[0] != sum(frames):
+            raise RuntimeError(f"vtc: the tower got {pixel_values.shape[0]} frames for videos of {frames} frames")
+        stock = functools.partial(type(tower).forward, tower, feature_select_strategy=feature_select_strategy, **kwargs)
+        frame_tower = VllmFrameTower(tower, self.family)
+        pixels = list(torch.split(pixel_values, frames))
+        out: list[Tensor | None] = [None] * len(frames)
+        for pipeline in dict.fromkeys(pipelines):  # in order of first appearance
+            for changed in (True, False):
+                videos = [k for k, p in enumerate(pipelines) if p is pipeline and changes[k] == changed]
+                if not videos:
+                    continue
+                group = torch.cat([pixels[k] for k in videos])
+                if not changed:
+                    features = list(torch.split(stock(group), [frames[k] for k in videos]))
+                    for k, feature in zip(videos, features):
+                        out[k] = feature
+                    continue
+                ctxs = [
+                    Context(
+                        retention=pipeline.retention,
+                        family=self.family,
+                        geometry=self.geometry,
+                        video_index=k,
+                        generator=torch.Generator(device="cpu").manual_seed(self.config_of(k).seed),
+                    )
+                    for k in videos
+                ]
+                pipeline.begin_prompt()
+                features, _, run = frame_tower.run(
+                    group, [frames[k] for k in videos], len(frame_tower.layers) - 1, pipeline, ctxs
+                )
+                state = pipeline.prompt_state()  # GRT's gate record: its connect hook reads it
+                for k, feature, tokens in zip(videos, features, run.tokens):
+                    out[k] = frame_tower.output(feature, feature_select_strategy)
+                    self._frame_tokens[k], self._tower_state[k] = tokens, state
+                    logger.info(
+                        "vtc %s: video %d: the vision tower's methods kept %d of %d tokens (unmerged onto every "
+                        "frame's grid before the pooling)",
+                        pipeline.spec,
+                        k,
+                        len(tokens),
+                        frames[k] * (frame_tower.side**2 + int(frame_tower.class_token)),
+                    )
+        return torch.cat(out)
+
     def survivors_of(self, index: int, grid: tuple[int, int, int]) -> tuple[Tensor | None, Tensor | None]:
         """The cells video `index` of this call hands its connect stage and how many units each stands for: what the
-        tower methods left (their sizes), else what the pre-tower methods kept (one each); (None, None): every cell."""
+        tower methods left (their sizes; on SigLIP / CLIP every cell of the frames that kept tokens of their own,
+        each standing for the frames its frame holds, as on the HF backend), else what the pre-tower methods kept
+        (one each); (None, None): every cell."""
+        frame_tokens = self._frame_tokens[index] if index < len(self._frame_tokens) else None
+        if frame_tokens is not None:
+            return pooled_survivors(frame_tokens, grid[1] * grid[2])
         tower = self._tower[index] if index < len(self._tower) else None
         return tower if tower is not None else (self.kept_of(index, grid), None)
 
@@ -336,7 +440,10 @@ class Serving:
         if self._prepool is not None:
             capture = self._prepool_of()
             ctx = ctx.replace(prepool=self._prepool[index], pool=capture.pool, project=capture.projection)
-        pipeline.begin_prompt()
+        if any(e.card.reads_lm_head for e in pipeline.entries):
+            ctx = ctx.replace(model=self.served_model or ServedModel(self.model))
+        # the video's own state: fresh, or what its tower methods left in this call (GRT's gate record)
+        pipeline.begin_prompt(self._tower_state[index] if index < len(self._tower_state) else None)
         survivors, weights = self.survivors_of(index, grid)
         _, out = connect_video(
             pipeline,
@@ -372,6 +479,46 @@ class Serving:
         del LAST_KEPT[:-64]
         kept_extras = {name: value[order] for name, value in extras_out.items()}
         return embeds_out[order].to(embeds.dtype), cells[order], kept_extras
+
+
+class ServedModel:
+    """What a connect method reads of the served model through `ctx.model` on vLLM (on the HF backend `ctx.model` is
+    the model itself): its LM head, `get_output_embeddings()`, as a function from hidden states [..., D] to logits
+    over the vocabulary [..., V], which is how GRT's key-frame matching calls HF's `lm_head` Linear. It runs vLLM's
+    own logits path (`compute_logits`: the head's own linear method, quantised or not, its logit scale or soft cap
+    where the model has one, the vocabulary padding cut off), so the logits are those the served model samples from.
+
+    It needs the whole head on the rank that encodes: tensor parallelism splits it by vocabulary (vLLM gathers the
+    logits onto the first rank only), and under pipeline parallelism the first stage, which encodes, holds none
+    (`PPMissingLayer`). The server refuses both at start (`check_tower_parallelism`); this checks again where the
+    model is built."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        from vllm.model_executor.models.utils import PPMissingLayer
+
+        language_model = getattr(model, "language_model", model)
+        head = getattr(language_model, "lm_head", None)
+        if head is None or isinstance(head, PPMissingLayer):
+            raise RuntimeError(
+                "vtc: a method of this server reads the LM head while it encodes a video (GRT), but this pipeline "
+                "stage holds none (pipeline parallel: the first stage encodes, the last holds the head); serve it "
+                "with --pipeline-parallel-size 1"
+            )
+        ranks = int(getattr(head, "tp_size", 1))
+        if ranks > 1:
+            raise RuntimeError(
+                f"vtc: a method of this server reads the LM head while it encodes a video (GRT), but the head is split "
+                f"by vocabulary across {ranks} tensor-parallel ranks; serve it with --tensor-parallel-size 1"
+            )
+        self.model = model
+
+    def get_output_embeddings(self):
+        return self.logits
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """[..., V] logits of hidden states [..., D] (a 1-D vector: [V])."""
+        out = self.model.compute_logits(hidden.reshape(-1, hidden.shape[-1]))
+        return out.reshape(*hidden.shape[:-1], out.shape[-1])
 
 
 def _same_on_every_rank(embeds: Tensor, cells: Tensor, extras: dict[str, Tensor]):
@@ -915,6 +1062,7 @@ class _LlavaServing(_ServingModel):
         frames = _frames_per_video(inputs["pixel_values_videos"])
         # the grid is known once the tower ran; statistics are split by frames, so a provisional grid will do
         grids = [(f, 1, 1) for f in frames]
+        run = self.vtc.frame_encode_run(run, self.vision_tower, frames)  # tower methods (ToMe, GRT's stage 1)
         videos = self.vtc.encode(run, grids)
         out = []
         for k, video in enumerate(videos):

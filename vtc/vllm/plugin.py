@@ -8,10 +8,10 @@ vLLM calls `register()` in every process it starts (API server, engine core, wor
    classes are vLLM's own, unchanged.
 2. checks the vtc config when vLLM builds its `VllmConfig` (so a bad config stops `vllm serve` at start, with a
    message naming the allowed values; tower methods' `depth` is set from the model's vision config, and they are
-   refused on a tensor-parallel tower), and shares it with the processor: `additional_config` reaches the model
-   but not the prompt processor, which must size each video's placeholders. The checked config goes on the
-   HF config (`hf_config.vtc_serving`), which both sides read and which travels to worker processes with the
-   rest of the config.
+   refused on a tensor-parallel tower, as is a method reading the LM head under tensor or pipeline parallelism),
+   and shares it with the processor: `additional_config` reaches the model but not the prompt processor, which
+   must size each video's placeholders. The checked config goes on the HF config (`hf_config.vtc_serving`), which
+   both sides read and which travels to worker processes with the rest of the config.
 3. switches on vLLM's pruning path for M-RoPE families (`video_pruning_rate` set to 1 - retention): with it
    the runner encodes videos one at a time and calls the model's `recompute_mrope_positions`, which places
    the text after a compressed video right. vLLM's own pruning methods are not used: vtc's model classes
@@ -64,6 +64,8 @@ def apply_config(vllm_config) -> None:
         pipeline,
         getattr(parallel, "tensor_parallel_size", 1),
         getattr(mm, "mm_encoder_tp_mode", None) if mm is not None else None,
+        family,
+        getattr(parallel, "pipeline_parallel_size", 1),
     )
     if getattr(hf_config, CONFIG_ATTR, None) == config.to_dict():
         return  # this config was applied already (VllmConfig built again from the same model config)

@@ -1,7 +1,7 @@
-"""vLLM's Qwen vision towers (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) block by block, so the encode methods that act between
-a tower's blocks (`vtc.core.bases.TowerMerger`, ToMe) run inside a served model; the vLLM counterpart of
-`vtc.hf.tower.QwenTower`, sharing its loop (`vtc.core.tower.MergeUnitTower`: hooks, rotary rows carried through
-merges, attention segments, DeepStack taps).
+"""vLLM's vision towers block by block (the Qwen towers, and LLaVA's SigLIP / CLIP below), so the encode methods that
+act between a tower's blocks (`vtc.core.bases.TowerMerger`: ToMe, GRT) run inside a served model; for Qwen2-VL,
+Qwen2.5-VL and Qwen3-VL the vLLM counterpart of `vtc.hf.tower.QwenTower`, sharing its loop
+(`vtc.core.tower.MergeUnitTower`: hooks, rotary rows carried through merges, attention segments, DeepStack taps).
 
 What runs is vLLM's own modules, in the order the tower's `forward` calls them: `input_norm` (vLLM 0.32 normalises raw
 uint8 pixels on the device) and `patch_embed` on the surviving units' patch rows; the rotary rows from the tower's
@@ -23,6 +23,16 @@ every key's logits).
 
 Tensor parallelism: refused when the tower itself is split across ranks (`vtc.vllm.config.check_tower_parallelism`,
 at start); with `--mm-encoder-tp-mode data` every rank runs the whole tower here (its linears are not sharded).
+
+LLaVA's SigLIP / CLIP (`VllmFrameTower`, the counterpart of `vtc.hf.tower.LlavaTower`, sharing its loop:
+`vtc.core.tower.FrameTower`): every frame one batch item of patches (plus CLIP's class token), the tower's own
+`embeddings` (and CLIP's `pre_layrnorm`), then every layer vLLM holds (it builds the tower only up to the layer the
+projector reads) with its `layer_norm1`, attention, `layer_norm2` and `mlp`; every frame is then unmerged onto its
+patch grid and goes through the tower's own output step, so the model's projector and pooling see a whole grid.
+Attention: the layer's own `SiglipAttention` / `CLIPAttention` (`qkv_proj`, `MMEncoderAttention`, `out_proj`) on
+[frames, n, D]; the keys a method reads are `qkv_proj`'s key part (a forward hook); proportional attention runs the
+same projections around SDPA with log(size) added to every key's logits. vLLM's LLaVA models take no
+`--mm-encoder-tp-mode data`, so tower methods there need one tensor-parallel rank.
 """
 
 from __future__ import annotations
@@ -34,7 +44,7 @@ import torch.nn.functional as F
 
 from vtc.core.pipeline import Pipeline
 from vtc.core.tokens import Context
-from vtc.core.tower import MergeUnitTower, TowerRun, scatter_by_cell, segment_attention, unit_tokens
+from vtc.core.tower import FrameTower, MergeUnitTower, TowerRun, scatter_by_cell, segment_attention, unit_tokens
 from vtc.hf.encode import survivor_rows
 
 Tensor = torch.Tensor
@@ -159,3 +169,73 @@ def segment_inputs(visual: torch.nn.Module, family: str, cu: Tensor) -> dict[str
         return {"cu_seqlens": cu.to(device), "max_seqlen": visual.compute_attn_mask_seqlen(cu)}
     cu_seqlens, max_seqlen, lengths = attention_segment_metadata(visual, cu, device)
     return {"cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen, "sequence_lengths": lengths}
+
+
+# --- LLaVA's SigLIP / CLIP --------------------------------------------------------------------------------------
+
+
+class VllmFrameTower(FrameTower):
+    """vLLM's `SiglipVisionModel` (LLaVA-OneVision) or `CLIPVisionModel` (LLaVA-NeXT-Video) block by block: the loop
+    is `vtc.core.tower.FrameTower`'s, shared with the HF backend's `LlavaTower`; this class calls vLLM's attention
+    modules (`SiglipAttention` / `CLIPAttention`: one `qkv_proj`, vLLM's `MMEncoderAttention` on [frames, n, D], an
+    `out_proj`; parallel linears return (output, bias)).
+
+    vLLM builds the LLaVA tower only up to the layer the projector reads (`init_vision_tower_for_llava`:
+    `num_hidden_layers_override` from `vision_feature_layer`, no post-layernorm, no SigLIP head), and its forward runs
+    every layer it holds: so does this one. The output then goes through the tower's own last step
+    (`resolve_visual_encoder_outputs`: SigLIP's `last_hs_proc`, CLIP's `post_layernorm`, both None here, then the
+    model's `feature_select_strategy`, "default" dropping CLIP's class token), as the tower's forward returns it."""
+
+    def __init__(self, tower: torch.nn.Module, family: str) -> None:
+        model = tower.vision_model
+        config = model.config
+        super().__init__(model, config.image_size // config.patch_size, hasattr(model.embeddings, "class_embedding"))
+        self.family = family
+        ranks = max((int(getattr(layer.self_attn, "tp_size", 1)) for layer in self.layers), default=1)
+        if ranks > 1:  # checked at start too (check_tower_parallelism); a tower split by heads cannot merge here
+            raise RuntimeError(
+                f"vtc runs tower methods on an unsplit vision tower; this {family} tower is split across {ranks} "
+                "tensor-parallel ranks (vLLM's LLaVA models do not take --mm-encoder-tp-mode data: serve with "
+                "--tensor-parallel-size 1)"
+            )
+
+    def projections(self, attn, h):
+        qkv, _ = attn.qkv_proj(h)
+        shape = (*h.shape[:-1], attn.num_heads_per_partition, attn.head_dim)
+        return tuple(x.reshape(shape) for x in qkv.chunk(3, dim=-1))  # as the module's forward splits it
+
+    def project_out(self, attn, x):
+        out, _ = attn.out_proj(x)
+        return out
+
+    def own_attention(self, attn, h, keys_wanted):
+        captured: list[Tensor] = []
+        handle = None
+        if keys_wanted:  # the key part of the module's own qkv projection
+            handle = attn.qkv_proj.register_forward_hook(
+                lambda m, a, out: captured.append(out[0] if isinstance(out, tuple) else out)
+            )
+        try:
+            out, _ = attn(hidden_states=h)
+        finally:
+            if handle is not None:
+                handle.remove()
+        if not keys_wanted:
+            return out, None
+        keys = captured[0].chunk(3, dim=-1)[1]
+        return out, keys.reshape(*h.shape[:-1], attn.num_heads_per_partition, attn.head_dim)
+
+    def output(self, hidden: Tensor, feature_select_strategy: Any = None) -> Tensor:
+        """The tower's forward output from its last layer's output `hidden` [frames, (1 +) side^2, D]."""
+        from vllm.model_executor.models.vision import resolve_visual_encoder_outputs
+
+        model = self.model
+        siglip = hasattr(model, "last_hs_proc")
+        return resolve_visual_encoder_outputs(
+            hidden,
+            None if siglip else model.post_layernorm,
+            select_layers=None,
+            max_possible_layers=model.config.num_hidden_layers,
+            last_hs_proc=model.last_hs_proc if siglip else None,
+            feature_select_strategy=feature_select_strategy,
+        )
