@@ -22,6 +22,7 @@ COMPOSITIONS = [
     "aot+framefusion",
     "fastvid+dycoke",  # two connect methods, then DyCoke's decode-time KV pruning
     "divprune+fastv",
+    "uniform+pixelprune+vidcom2",  # sample, encode (before the tower), connect on the survivors
 ]
 RETENTION = 0.25
 
@@ -68,12 +69,13 @@ def test_composition(spec, family):
             stats = handle.stats()
             kept += stats.visual_tokens_out
             torch.testing.assert_close(out[which], single_out, atol=2e-5, rtol=1e-4)
-            # the connect plugins ran in pipeline order, each on what the one before it left
+            # the encode and connect plugins ran in pipeline order, each on what the one before it left
             connect = [r for r in stats.stages if r.stage == "connect"]
             assert [r.plugin for r in connect] == [e.card.name for e in handle.pipeline.stage_entries("connect")]
-            assert connect[0].tokens_in == stats.visual_tokens_in
-            assert all(a.tokens_out == b.tokens_in for a, b in zip(connect, connect[1:]))
-            assert connect[-1].tokens_out == stats.llm_tokens_in
+            chain = [r for r in stats.stages if r.stage in ("encode", "connect")]
+            assert chain[0].tokens_in == stats.visual_tokens_in
+            assert all(a.tokens_out == b.tokens_in for a, b in zip(chain, chain[1:]))
+            assert chain[-1].tokens_out == stats.llm_tokens_in
         assert batch_kept == kept
         new = greedy(model, prepared(handle, family, None), tokens=3)
         assert new.shape == (2, 3)
