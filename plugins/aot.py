@@ -420,6 +420,8 @@ class AOT(vtc.Method):
     """Attention anchors + intra-frame OT merge, then the inter-frame OT merge per clip (official: TyroneLi/AOT
     `LLaVA-NeXT/llava/model/llava_arch.py`)."""
 
+    temporal = True  # inter-frame OT merge across the frames of a clip: videos only
+
     visual_token_num: int | None = vtc.param(
         None, range="[1, 729]", doc="VISUAL_TOKEN_NUM: anchors per frame, counted on 27 x 27 = 729 tokens"
     )

@@ -252,6 +252,8 @@ class DyCoke(vtc.Method):
     Not a `LayerPruner`: the pruning acts only on decode steps (never on the prefill), hides keys for one step
     (`mask_keys`) instead of dropping tokens, and decides per step from the attention's change."""
 
+    temporal = True  # TTM merges tokens of paired frames: videos only
+
     k: float | None = vtc.param(
         None, range="[0, 1]", doc="dycoke_k: TTM merging ratio, share of a reduced frame dropped (1 - r, else 0.7)"
     )

@@ -22,15 +22,24 @@ def kept_count(num_visual: int, ratio: float) -> int:
     return round(num_visual * (1 - ratio))
 
 
-def fastv_keep(scores: torch.Tensor, visual: torch.Tensor, valid: torch.Tensor, ratio: float) -> torch.Tensor:
+def fastv_keep(
+    scores: torch.Tensor, visual: torch.Tensor, valid: torch.Tensor, ratio: float, item: torch.Tensor | None = None
+) -> torch.Tensor:
     """Keep mask [B, n]: every non-visual token, plus the top round(N_vis * (1 - ratio)) visual tokens of each
-    row by `scores` [B, n] (head-averaged attention of the last prompt token)."""
+    row by `scores` [B, n] (head-averaged attention of the last prompt token). `item` [B, n] (the layout's media
+    item of each token): each video or image of a row gets its own budget, round(N_item * (1 - ratio))."""
     keep = valid & ~visual
     candidates = visual & valid
-    pool = torch.nonzero(candidates.flatten()).flatten()  # row after row: one segment per batch row
-    per_row = candidates.sum(dim=1)
-    offsets = torch.cat([per_row.new_zeros(1), torch.cumsum(per_row, 0)])
-    budgets = torch.tensor([kept_count(n, ratio) for n in per_row.tolist()])
+    if item is None:
+        item = torch.zeros_like(candidates, dtype=torch.long)
+    pool = torch.nonzero(candidates.flatten()).flatten()  # row after row, item after item: one segment each
+    segment = (torch.arange(candidates.shape[0], device=candidates.device)[:, None] * (int(item.max()) + 2) + item + 1)
+    segment = segment.flatten()[pool]
+    order = torch.argsort(segment, stable=True)
+    pool = pool[order]
+    _, per_segment = torch.unique_consecutive(segment[order], return_counts=True)
+    offsets = torch.cat([per_segment.new_zeros(1), torch.cumsum(per_segment, 0)])
+    budgets = torch.tensor([kept_count(n, ratio) for n in per_segment.tolist()])
     kept = segmented_topk(scores.float().flatten()[pool.to(scores.device)], offsets, budgets)
     keep.view(-1)[pool[kept.to(pool.device)]] = True
     return keep
@@ -65,4 +74,5 @@ class FastV(vtc.LayerPruner):
 
     def keep_mask(self, llm, ctx):
         layout = llm.layout
-        return fastv_keep(last_token_attention(llm, self.k - 1), layout.visual, layout.valid, self.dropped())
+        scores = last_token_attention(llm, self.k - 1)
+        return fastv_keep(scores, layout.visual, layout.valid, self.dropped(), layout.video)

@@ -588,6 +588,8 @@ def assemble(tokens, plan: FastVIDPlan, salience: Tensor, target: int | None, pe
 class FastVID(vtc.Method):
     """DySeg + STPrune + DTM in the official version of the family (official: LunarShen/FastVID)."""
 
+    temporal = True  # DySeg cuts the video into segments of frames: videos only
+
     retention_ratio: float | None = vtc.param(
         None, range="(0, 1]", doc="r: per-frame budget int(n r); default retention, else 0.10 LLaVA / 0.27 Qwen"
     )

@@ -114,6 +114,8 @@ class FrameFusion(vtc.Method):
     """Merge steps while enough tokens qualify, then one prune (`FusionPrune`, a LayerPruner) at the layer where
     merging stopped (official: thu-nics/FrameFusion `framefusion/main.py`)."""
 
+    temporal = True  # merges tokens with the same cell of the previous frame: videos only
+
     cost: float | None = vtc.param(
         None, range="(0, 1]", doc="mean fraction of visual tokens over the layers (default: retention, else 0.3)"
     )

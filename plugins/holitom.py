@@ -457,6 +457,8 @@ class HoliTomOuter(vtc.TokenMerger):
     """HoliTom's outer merge (official `holitom/llava_arch.py`: `prepare_inputs_labels_for_multimodal` + `holitom`).
     It takes the inner merge's parameters too, unused, so that a holitom configuration serves unchanged."""
 
+    temporal = True  # temporal segments and merges across frames: videos only
+
     retain_ratio: float | None = vtc.param(
         None, range="(0, 1]", doc="RETAIN_RATIO: outer-merge budget (default: the retention, else 0.15)"
     )

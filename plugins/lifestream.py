@@ -538,6 +538,8 @@ class LifeStream(vtc.StreamMemoryMethod):
     """Its connect hook scores each token's informativeness (saliency) and passes every token on; its memory
     (`stream_memory`, `LifecycleMemory`) does the selection. No official code (specs/from-abstracts.md §1)."""
 
+    temporal = True  # a stream of frames: videos only
+
     tau_life: float = vtc.param(
         0.9, range="[-1, 1]", doc="a run continues while cos(x_t,i, x_t-1,i) >= tau_life [OPEN: StreamingTOM CTR]"
     )

@@ -88,6 +88,8 @@ def select_frame(x: Tensor, previous: Tensor | None, grid_hw: tuple[int, int], t
 class MemStream(vtc.StreamMemoryMethod):
     """Adaptive selection in the connect stage, the retrieval memory as the stream's memory (no official code)."""
 
+    temporal = True  # a stream of frames: videos only
+
     tau: float = vtc.param(0.9, range="[-1, 1]", doc="window redundancy threshold, a cosine [OPEN: StreamingTOM's 0.9]")
     window: int = vtc.param(2, range="[1, inf)", doc="side of the square token window merged as one [OPEN: 2 x 2]")
     window_tokens: int = vtc.param(

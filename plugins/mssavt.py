@@ -243,6 +243,8 @@ class MSSAVT(vtc.Method):
     Not a `TokenSelector`: it reads whole frames (and checks it gets them) and keeps the previous frame in
     `ctx.state` on every call, also when it keeps every token."""
 
+    temporal = True  # its temporal step compares each frame with the previous one: videos only
+
     rho: float | None = vtc.param(
         None, range="(0, 1]", doc="fraction of each frame's tokens kept; default: the retention, else 0.25"
     )

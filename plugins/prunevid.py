@@ -509,6 +509,8 @@ class PruneVid(vtc.LayerPruner):
     """Stage 1 in connect (`merge_frames_dynamic`), stage 2 a LayerPruner after layer selected_layer
     (`VTPWindowCache.process_attention`)."""
 
+    temporal = True  # stage 1 merges static tokens across frames: videos only
+
     selected_layer: int = vtc.param(
         10, range="[0, inf)", doc="selected_layer: attention of this LLM layer ranks tokens; prune after it"
     )

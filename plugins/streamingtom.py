@@ -261,6 +261,8 @@ class StreamingTOMCTR(vtc.TokenMerger):
     """CTR: G tokens per frame, static ones DPC-kNN merged, dynamic ones by vision attention
     (official: YIGE24/StreamingTOM streamingtom/modules/ctr.py::CTR)."""
 
+    temporal = True  # static / dynamic tokens from the previous frame: videos only
+
     retain_tokens: int | None = vtc.param(
         None, range="[1, inf)", doc="CTR_RETAIN_TOKENS: tokens kept per frame (default round(r H W), else 50)"
     )

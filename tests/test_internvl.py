@@ -82,21 +82,31 @@ def test_two_videos_an_image_and_long_videos_in_one_prompt():
     assert [[s for s, _ in chain] for chain in chains] == [[6, 15], [24, 33]]  # the last run (no label) is an image
 
 
-def test_identity_at_full_retention_and_images_pass_whole():
+def test_identity_at_full_retention_and_images_tile_by_tile():
+    """A video and an image of several tiles (each tile a frame of the image item): identity at 1.0; at 0.25 the video
+    and every tile keep their own quarter; with images=False the image passes whole."""
     model, processor = model_and_processor(FAMILY)
     inputs = prompt_inputs(processor, [synthetic_video(8, 224, 224, seed=0)], [Image.new("RGB", (448, 224))])
     batch = batch_inputs(FAMILY)
     reference, batch_reference = logits(model, inputs), logits(model, batch)
+    image_tokens = int((inputs["input_ids"] == model.config.image_token_id).sum()) - 512
+    tiles = image_tokens // 64
     with vtc.patch(model, "random", retention=1.0) as handle:
         assert torch.equal(logits(model, inputs), reference)
+        assert handle.stats().visual_tokens_in == handle.stats().visual_tokens_out == 512 + image_tokens
         assert torch.equal(logits(model, batch), batch_reference)
-        assert handle.stats().visual_tokens_in == handle.stats().visual_tokens_out == 2 * 512
     with vtc.patch(model, "random", retention=0.25) as handle:
         logits(model, inputs)
         stats = handle.stats()
-    assert stats.grids == [(8, 8, 8)] and stats.llm_tokens_in == 128 == handle.retained_count((8, 8, 8))
-    image_tokens = int((inputs["input_ids"] == model.config.image_token_id).sum()) - 512
-    assert stats.sequence_out == inputs["input_ids"].shape[1] - 512 + 128 and image_tokens >= 2 * 64
+    assert tiles >= 2 and [(i.kind, i.grid) for i in stats.items] == [("video", (8, 8, 8)), ("image", (tiles, 8, 8))]
+    assert stats.llm_tokens_per_video == [128] and handle.retained_count((8, 8, 8)) == 128
+    assert stats.items[1].tokens_out == handle.retained_count((tiles, 8, 8), "image") == tiles * 16
+    assert stats.sequence_out == inputs["input_ids"].shape[1] - 512 + 128 - image_tokens + tiles * 16
+    with vtc.patch(model, "random", retention=0.25, images=False) as handle:
+        logits(model, inputs)
+        stats = handle.stats()
+    assert stats.llm_tokens_in == 128 and not stats.items[1].compressed
+    assert stats.sequence_out == inputs["input_ids"].shape[1] - 512 + 128
 
 
 @pytest.mark.parametrize("spec,kept", [("divprune", 2 * 128), ("visionzip", 2 * 16 * 8)])

@@ -185,15 +185,26 @@ def test_a_sampler_runs_per_document_with_the_tasks_question_and_the_record_show
     lm.handle.unpatch()
 
 
-def test_a_document_without_video_runs_uncompressed_and_says_so(saved):
+def test_an_image_document_is_compressed_or_passes_whole_and_says_so(saved):
+    """images=true (default): the document's image reaches the LLM with its promised count, listed in the record;
+    images=false: it passes whole, with a warning and a note."""
     from PIL import Image
 
     from vtc.lmms_eval.model import VtcModel
 
-    lm = VtcModel(pretrained=saved["qwen2_5_vl"], methods="vidcom2", retention=0.5, device="cpu")
+    lm = VtcModel(pretrained=saved["qwen2_5_vl"], methods="vidcom2", retention=0.5, fixed_count=True, device="cpu")
     image = Image.new("RGB", (56, 56), (200, 30, 30))
     messages = [{"role": "user", "content": [{"type": "image", "url": image}, {"type": "text", "text": "Colour?"}]}]
-    with pytest.warns(UserWarning, match="no video in this document, so vidcom2 compresses nothing"):
+    _, record = lm.answer(messages, {"max_new_tokens": 2})
+    (item,) = record["items"]
+    assert item["kind"] == "image" and item["compressed"] and record["visual_tokens_in"] == item["tokens_in"] == 4
+    promised = lm.handle.retained_count(tuple(item["grid"]), "image")
+    assert record["llm_visual_tokens"] == item["tokens_out"] == promised == 2
+    assert record["llm_prompt_tokens"] == record["prompt_tokens"] - 2
+
+    lm.args.images = False
+    lm.configure("vidcom2", 0.5, {"fixed_count": True})
+    with pytest.warns(UserWarning, match=r"no video in this document, so vidcom2 compresses nothing \(images=false\)"):
         text, record = lm.answer(messages, {"max_new_tokens": 2})
     assert record["note"].startswith("no video") and record["stages"] == [] and record["visual_tokens_in"] == 0
     assert record["llm_prompt_tokens"] == record["prompt_tokens"] > 4  # the image's tokens, uncompressed

@@ -1,8 +1,9 @@
 """Prompts as users send them, on the HF backend: two videos in one prompt, and a video followed by an image, on
 every family; Qwen videos at a frame rate that makes seconds per temporal patch fractional. At retention 1.0 the
-logits are the unpatched model's; at 0.25 each video is compressed to its own `retained_count`, the image passes
-whole, and on the M-RoPE families every surviving token keeps its original (t, h, w) position while the text
-between and after the media keeps its own."""
+logits are the unpatched model's; at 0.25 each video and each image (each view of a LLaVA anyres image) is
+compressed to its own `retained_count`, and on the M-RoPE families every surviving token keeps its original
+(t, h, w) position while the text between and after the media keeps its own. (tests/test_images.py: image
+prompts, images=False, the refusals.)"""
 
 from __future__ import annotations
 
@@ -76,18 +77,28 @@ def test_several_media_in_one_prompt(family, monkeypatch):
         _, positions, handle = llm_inputs(model, inputs, "vidcom2", retention=0.25, **SERVING)
         stats = handle.stats()
         assert stats.videos == (2 if name == "two videos" else 1), name
-        promised = [handle.retained_count(grid) for grid in stats.grids]
-        assert stats.llm_tokens_per_video == promised == [len(k) for k in kept], name
+        assert stats.images == (1 if name == "video, image" else 0), name
+        promised = [handle.retained_count(i.grid, i.kind) for i in stats.items]
+        assert [i.tokens_out for i in stats.items] == promised == [len(k) for k in kept], name
+        assert stats.llm_tokens_per_video == [i.tokens_out for i in stats.items if i.kind == "video"], name
+        assert [i.kind for i in stats.items].count("image") >= stats.images and all(i.compressed for i in stats.items)
         assert len(set(stats.grids)) == stats.videos or family not in QWEN, name  # two different grids
         image_id = getattr(model.config, "image_token_id", getattr(model.config, "image_token_index", None))
         if "shared_media_token" not in get_family(family).features:  # InternVL's frames are images to the model
             assert bool(inputs["input_ids"].eq(image_id).any()) == (name == "video, image"), name
-        # the image passes whole: only the videos' tokens are gone from the prompt
+        # every item's tokens beyond its promise are gone from the prompt
         length = inputs["input_ids"].shape[1] - stats.visual_tokens_in + sum(promised)
         if family in QWEN:
-            counts = [t * h * w for t, h, w in stats.grids]
-            slots = video_slots(inputs["input_ids"][0], model.config.video_token_id, counts)
-            assert_positions_kept(original_positions(stock_positions), positions[:, 0], slots, kept, length)
+            tokens = [model.config.image_token_id if i.kind == "image" else model.config.video_token_id for i in stats.items]
+            slots = [
+                slot
+                for token in dict.fromkeys(tokens)
+                for slot in video_slots(
+                    inputs["input_ids"][0], token, [i.tokens_in for i, t in zip(stats.items, tokens) if t == token]
+                )
+            ]
+            cells = [k for token in dict.fromkeys(tokens) for k, t in zip(kept, tokens) if t == token]
+            assert_positions_kept(original_positions(stock_positions), positions[:, 0], slots, cells, length)
         else:  # 1-D RoPE: vidcom2's LLaVA port renumbers the compressed prompt
             assert torch.equal(positions[0], torch.arange(length))
 

@@ -23,6 +23,7 @@ class PatchHandle:
         self.model = model
         self.pipeline = pipeline
         self.recorder = recorder
+        self.images = patch.images  # images are compressed (vtc.patch(..., images=...))
         self._patch: ModelPatch | None = patch
 
     # --- lifecycle -----------------------------------------------------------------------------------------------
@@ -63,10 +64,19 @@ class PatchHandle:
         (None before the first forward)."""
         return self.recorder.last
 
-    def retained_count(self, grid: tuple[int, int, int]) -> int | None:
+    def retained_count(self, grid: tuple[int, int, int], kind: str = "video") -> int | None:
         """Visual tokens the LLM keeps for a video whose token grid is `grid` = (T, H, W) (at the last LLM layer
-        when a method acts in the LLM); None when the methods decide adaptively from the content."""
-        return self.pipeline.retained_count(grid)
+        when a method acts in the LLM); None when the methods decide adaptively from the content. `kind="image"`:
+        for an image of grid (1, H, W), through the methods that act on images (`Pipeline.for_images`); with
+        `images=False` an image keeps every token."""
+        if kind not in ("video", "image"):
+            raise ValueError(f"kind must be 'video' or 'image', got {kind!r}")
+        if kind == "video":
+            return self.pipeline.retained_count(grid)
+        if not self.images:
+            t, h, w = grid
+            return t * h * w
+        return self.pipeline.for_images().retained_count(grid)
 
     # --- inputs ---------------------------------------------------------------------------------------------------
     def prepare(
@@ -136,6 +146,7 @@ def patch(
     positions: str | None = None,
     processor: Any = None,
     seed: int = 0,
+    images: bool = True,
     **params: Any,
 ) -> PatchHandle:
     """Apply token-compression methods to a HuggingFace video-LLM instance.
@@ -148,6 +159,9 @@ def patch(
                families only). Default: what each method's official code does.
     processor: optional; lets query-aware methods read the question as text (and encode-stage methods read its
                pixel normalisation; default: the family's video processor's).
+    images:    compress images too (default): each image of a prompt goes through the methods that act on one
+               image (connect and prefill methods that need no time) with its own `retention`; False lets images
+               reach the LLM whole (the stats still list them).
     params:    method parameters by name (`k=3`) or qualified (`**{"fastv.k": 3}`).
 
     Only this instance is changed; `handle.unpatch()` restores it exactly. A model carries one patch: patching
@@ -157,8 +171,17 @@ def patch(
     pipeline = Pipeline(methods, retention=retention, params=params, family=adapter.family)
     recorder = StatsRecorder()
     tokenizer = getattr(processor, "tokenizer", processor) if processor is not None else None
+    if not isinstance(images, bool):
+        raise ValueError(f"images must be True (compress images) or False (let them reach the LLM whole), got {images!r}")
     model_patch = ModelPatch(
-        adapter, pipeline, recorder, positions=positions, seed=seed, tokenizer=tokenizer, processor=processor
+        adapter,
+        pipeline,
+        recorder,
+        positions=positions,
+        seed=seed,
+        tokenizer=tokenizer,
+        processor=processor,
+        images=images,
     )
     model_patch.install()  # refuses a model another handle has patched (naming it)
     return PatchHandle(model, pipeline, model_patch, recorder)

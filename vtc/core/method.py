@@ -168,6 +168,7 @@ class Method:
     prepool: ClassVar[bool] = False  # connect reads the frame features before the LLaVA pooling (`ctx.prepool`)
     during_decode: ClassVar[bool] = False  # `prefill` is also called on decode steps (`llm.phase == "decode"`)
     whole_frames: ClassVar[bool] = False  # connect needs every token of every frame: no connect method before it
+    temporal: ClassVar[bool] = False  # needs time (several frames of one video): acts on videos only, never on images
     reads_lm_head: ClassVar[bool] = False  # connect calls the LLM's LM head (`ctx.model.get_output_embeddings()`)
     streams: ClassVar[bool] = False  # connect is causal: `vtc.stream` may feed it consecutive chunks of a video
     stream_only: ClassVar[bool] = False  # the method exists only as a stream memory; `vtc.patch` refuses it
@@ -438,6 +439,14 @@ class MethodCard:
         return "prefill" in self.stages
 
     @property
+    def acts_on_images(self) -> bool:
+        """Images reach the method: it acts in the connect or prefill stage (the sample and encode stages act on
+        videos only: an image has no frames to draw and is encoded by the model's own image path) and does not need
+        time (`temporal`)."""
+        stages = self.stages
+        return not self.cls.temporal and not {"sample", "encode"} & set(stages) and bool(stages)
+
+    @property
     def fixed_count(self) -> bool:
         return _overrides(self.cls, "retained_count")
 
@@ -503,6 +512,8 @@ class MethodCard:
             "acts_in_llm": self.acts_in_llm,
             "acts_during_decode": cls.during_decode,
             "needs_whole_frames": cls.whole_frames,
+            "temporal": cls.temporal,
+            "images": self.acts_on_images,
             "streams": cls.streams or self.stream_memory,
             "stream_memory": self.stream_memory,
             "stream_only": cls.stream_only,

@@ -8,6 +8,8 @@ Everything a pipeline can refuse it refuses when it is built, before any model r
 
 from __future__ import annotations
 
+import copy
+
 import dataclasses
 import math
 import time
@@ -154,6 +156,17 @@ def check_streaming(cards: list[MethodCard], streaming: bool, methods: Registry 
         )
 
 
+def _video_only_reason(card: MethodCard) -> str:
+    """Why a method leaves images alone (`MethodCard.acts_on_images`), in a few words."""
+    if card.acts_on_images:
+        return "takes images, but reduces no tokens"
+    if "sample" in card.stages:
+        return "samples the frames of videos"
+    if "encode" in card.stages:
+        return "acts in the model's video encoder"
+    return "needs time (frames of a video)"
+
+
 class Pipeline:
     """An ordered list of methods built from a spec, with their parameters.
 
@@ -282,6 +295,39 @@ class Pipeline:
                 )
         self.family = family
 
+    # --- images ---------------------------------------------------------------------------------------------
+    def image_methods(self) -> list[str]:
+        """The methods an image goes through (`MethodCard.acts_on_images`), in run order."""
+        return [e.card.name for e in self.entries if e.card.acts_on_images]
+
+    def for_images(self) -> Pipeline:
+        """The pipeline an image item goes through: the methods that act on images (connect and prefill methods
+        that need no time), the whole `retention` split over those that reduce tokens, so that an image, like a
+        video, reaches the LLM with `retention` of its tokens. Refuses a spec none of whose methods can reduce an
+        image, naming why (a sampler, an encode method or a temporal method), and the way out."""
+        image_pipeline = copy.copy(self)
+        image_pipeline.entries = [e for e in self.entries if e.card.acts_on_images]
+        if not any(e.method.reduces_llm_tokens(self.family) for e in image_pipeline.entries):
+            why = "; ".join(f"{e.card.name}: {_video_only_reason(e.card)}" for e in self.entries)
+            raise ValueError(
+                f"this prompt has an image, but no method of {self.spec!r} can reduce an image's tokens ({why}). "
+                "Add a method that acts on one image (e.g. 'visionzip', 'divprune', 'random' or 'fastv'), or pass "
+                "images=False to let images reach the LLM whole (`vtc methods` lists which methods take images)"
+            )
+        image_pipeline._share_retention(self.family)
+        return image_pipeline
+
+    def check_images_in_llm(self) -> None:
+        """A temporal method acting inside the LLM would see an image's tokens among the visual tokens it reads as
+        frames of a video: refuse it (the connect stage keeps images away from temporal methods on its own)."""
+        temporal = [e.card.name for e in self.stage_entries("prefill") if e.card.temporal]
+        if temporal:
+            raise ValueError(
+                f"this prompt has an image, but {', '.join(temporal)} acts inside the LLM on every visual token as "
+                "frames of a video (it needs time, which an image does not have); pass images=False to let images "
+                "reach the LLM whole and uncompressed, or use a method that takes images (e.g. 'fastv')"
+            )
+
     # --- introspection -------------------------------------------------------------------------------------
     def names(self) -> list[str]:
         return [e.card.name for e in self.entries]
@@ -394,6 +440,10 @@ class Pipeline:
         that video's connect call)."""
         state = state or {}
         self._stores = {e.card.name: dict(state.get(e.card.name, {})) for e in self.entries}
+
+    def share_prompt_state(self, other: Pipeline) -> None:
+        """Use `other`'s per-prompt method states (the image pipeline of `for_images` shares its parent's)."""
+        self._stores = other._stores
 
     def prompt_state(self) -> dict[str, dict[str, Any]]:
         """Every method's `ctx.state` of the prompt in progress (shallow copies), for `begin_prompt(state)`."""

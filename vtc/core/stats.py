@@ -45,19 +45,35 @@ class FrameSelection:
 
 
 @dataclasses.dataclass
+class MediaItem:
+    """One video or image of a prompt (`ForwardStats.items`, in prompt order, batch row by batch row)."""
+
+    kind: str  # "video" or "image"
+    index: int  # among the forward's items of this kind (0 = the first)
+    batch: int  # batch row
+    grid: tuple[int, int, int]  # token grid (T, H, W); an image: (1, H, W)
+    tokens_in: int  # visual tokens the model produced for it
+    tokens_out: int = 0  # visual tokens of it entering the LLM
+    compressed: bool = True  # False: it reached the LLM whole (`vtc.patch(..., images=False)`)
+    view: str = ""  # a part of an image of several parts (LLaVA's anyres: "base" view, packed "crops" grid)
+
+
+@dataclasses.dataclass
 class ForwardStats:
     """One prefill (a forward call whose prompt contained the video tokens)."""
 
-    has_video: bool
+    has_video: bool  # the prompt had media vtc compressed (videos, or images where they are compressed)
     batch_size: int = 0
     videos: int = 0
-    visual_tokens_in: int = 0  # compressible visual tokens the model produced
+    images: int = 0
+    visual_tokens_in: int = 0  # compressible visual tokens the model produced (every compressed item)
     llm_tokens_in: int = 0  # visual tokens entering the LLM (after connect)
     visual_tokens_out: int = 0  # visual tokens alive at the last LLM layer
     sequence_in: int = 0  # padded prompt length before / after the connect stage
     sequence_out: int = 0
     grids: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)  # token grid (T, H, W) per video
     llm_tokens_per_video: list[int] = dataclasses.field(default_factory=list)  # visual tokens entering the LLM
+    items: list[MediaItem] = dataclasses.field(default_factory=list)  # every video and image, in prompt order
     layer_visual_tokens: list[int] = dataclasses.field(default_factory=list)
     stages: list[StageRecord] = dataclasses.field(default_factory=list)
     # what plugins reported (`ctx.report(name=value)`): method -> name -> values in call order (connect hooks
@@ -115,7 +131,7 @@ class ForwardStats:
         if not self.has_video:
             return f"no video in the input: the model ran unchanged. {self.note}".strip()
         lines = [
-            f"videos: {self.videos}   batch: {self.batch_size}",
+            f"videos: {self.videos}   images: {self.images}   batch: {self.batch_size}",
             f"{'stage':<9} {'plugin':<16} {'tokens in':>10} {'tokens out':>11} {'ms':>9}",
         ]
         for rec in self.stages:
@@ -126,9 +142,13 @@ class ForwardStats:
             f"visual tokens: {self.visual_tokens_in} produced -> {self.llm_tokens_in} enter the LLM -> "
             f"{self.visual_tokens_out} at the last layer ({self.retention:.1%})"
         )
-        if self.videos > 1 and self.llm_tokens_per_video:
-            per_video = ", ".join(f"{t}x{h}x{w} -> {n}" for (t, h, w), n in zip(self.grids, self.llm_tokens_per_video))
-            lines.append(f"per video (grid -> tokens entering the LLM): {per_video}")
+        if len(self.items) > 1:
+            per_item = ", ".join(
+                f"{i.kind} {i.index}{' ' + i.view if i.view else ''} {'x'.join(map(str, i.grid))} -> {i.tokens_out}"
+                f"{'' if i.compressed else ' (whole)'}"
+                for i in self.items
+            )
+            lines.append(f"per item (grid -> tokens entering the LLM): {per_item}")
         if self.layer_visual_tokens:
             lines.append("per LLM layer: " + " ".join(str(n) for n in self.layer_visual_tokens))
         for k, sel in enumerate(self.frames):

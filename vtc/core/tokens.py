@@ -386,7 +386,10 @@ class Context:
         gets it from the caller, later stages from the prompt tokens (`question_ids`, and lazily
         `question_embeds`, the LLM's own input embeddings of them).
     family / geometry: the model family, and how its vision tower lands on the token grid (`FamilyGeometry`).
-    video_index: position of this video among the videos of the current forward (0 = the first).
+    video_index: position of this video among the videos of the current forward (0 = the first); of this image
+        among the images, when `media` is "image".
+    media: "video", or "image": a one-frame item (grid (1, H, W)); only methods that act on images
+        (`MethodCard.acts_on_images`: no `temporal` flag) get images.
     generator: seeded afresh for every video (`vtc.patch(..., seed=0)`): same video, same random choices.
     vision: the vision-tower statistics the method declared (`vision_stats`), one tensor per frame of this video.
     prepool / pool / project: the frame features before the LLaVA pooling ([F, h, w, D]), the model's pooling
@@ -405,6 +408,7 @@ class Context:
     family: str | None = None
     geometry: FamilyGeometry | None = None
     video_index: int = 0
+    media: str = "video"
     question: str | None = None
     question_ids: Tensor | None = None
     embed_fn: Callable[[Tensor], Tensor] | None = None

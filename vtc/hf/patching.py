@@ -23,7 +23,7 @@ import torch
 
 from vtc.core.engine import connect_video
 from vtc.core.pipeline import Pipeline
-from vtc.core.stats import StatsRecorder
+from vtc.core.stats import MediaItem, StatsRecorder
 from vtc.core.tokens import Context
 from vtc.hf.adapters import Adapter, CapturedInputs, VideoSpan
 from vtc.hf.encode import EncodedVideo, EncodeStage, pixel_normalization
@@ -86,6 +86,14 @@ def _cache_length(kwargs: dict[str, Any]) -> int:
         return 0
 
 
+def _prompt_order(span: VideoSpan) -> tuple[int, int]:
+    return span.batch, int(span.seq_index.min())
+
+
+def _key(span: VideoSpan) -> tuple[str, int, str]:
+    return span.kind, span.video, span.view
+
+
 class ModelPatch:
     """All hooks for one (model, pipeline) pair."""
 
@@ -98,9 +106,11 @@ class ModelPatch:
         seed: int = 0,
         tokenizer: Any = None,
         processor: Any = None,
+        images: bool = True,
     ) -> None:
         self.adapter = adapter
         self.pipeline = pipeline
+        self.images = images  # compress images too (else they reach the LLM whole, listed in the stats)
         self.recorder = recorder
         self.policy = pipeline.position_policy(positions, adapter.mrope)
         self.seed = seed
@@ -119,7 +129,10 @@ class ModelPatch:
         self._handles: list[Any] = []
         self._llm_start = 0.0
         self._prefill_ctx: Context | None = None
-        self._final_counts = None  # per-video visual tokens at the last layer of the current prefill
+        self._final_counts = None  # per item: visual tokens at the last layer of the current prefill
+        self._counted: list[tuple] = []  # per item: (grid, the pipeline that promised its count)
+        self._prefill_pipeline = pipeline  # whose prefill methods run on the current prompt
+        self._images_pipeline: Pipeline | None = None
 
     # --- install / remove -------------------------------------------------------------------------------------
     def describe(self) -> str:
@@ -286,7 +299,7 @@ class ModelPatch:
         self._final_counts = None
         if self.runtime is not None:
             self.runtime.reset()  # also recovers from a forward that raised half-way
-        if captured is None or captured.input_ids is None or not self.adapter.has_video(captured):
+        if captured is None or captured.input_ids is None or not self._has_media(captured):
             note = "" if captured is None or captured.input_ids is not None else "(called with inputs_embeds only)"
             self.recorder.begin(False, batch_size=embeds.shape[0], note=note)
             self._llm_start = time.perf_counter()
@@ -294,6 +307,15 @@ class ModelPatch:
         kwargs = self._compress_prompt(kwargs, embeds, captured)
         self._llm_start = time.perf_counter()
         return args, kwargs
+
+    def _has_media(self, captured: CapturedInputs) -> bool:
+        """The prompt has a video, or an image vtc compresses or lists in the stats (`_lists_images`)."""
+        return self.adapter.has_video(captured) or self._lists_images() and self.adapter.has_image(captured)
+
+    def _lists_images(self) -> bool:
+        """Images are compressed (`images=True`; a family vtc cannot find the images of then refuses them), or pass
+        whole but are listed in the stats (a family whose images vtc can find)."""
+        return self.images or type(self.adapter).image_spans is not Adapter.image_spans
 
     def _brings_video(self, captured: CapturedInputs | None) -> bool:
         """The forward carries video pixels (or encoder outputs) and video placeholders: a new video, not a
@@ -321,15 +343,29 @@ class ModelPatch:
         return None
 
     def _check_promised_counts(self, stats, actual: list[int]) -> None:
-        """Where the pipeline promises a count (`retained_count`), every video must end the prefill with exactly
+        """Where the pipeline promises a count (`retained_count`), every item must end the prefill with exactly
         that many visual tokens: a serving engine sizes its prompt from the promise."""
-        for grid, count in zip(stats.grids, actual):
-            promised = self.pipeline.retained_count(grid, self.adapter.family)
+        for (grid, kind, pipeline), count in zip(self._counted, actual):
+            promised = pipeline.retained_count(grid, self.adapter.family)
             if promised is not None and promised != count:
                 raise RuntimeError(
-                    f"{self.pipeline.spec!r} promised {promised} visual tokens for a video with grid {grid} "
+                    f"{pipeline.spec!r} promised {promised} visual tokens for a{'n image' if kind == 'image' else ' video'} "
+                    f"with grid {grid} "
                     f"(retained_count) but the last LLM layer kept {count}; a plugin breaks its retained_count"
                 )
+
+    def _image_pipeline(self) -> Pipeline:
+        """The pipeline images go through (`Pipeline.for_images`), built when the first image arrives: a spec that
+        cannot reduce an image is refused then, naming why."""
+        if self._images_pipeline is None:
+            self._images_pipeline = self.pipeline.for_images()
+        return self._images_pipeline
+
+    def _vision_stats(self, videos: list[VideoSpan], images: list[VideoSpan]) -> dict[tuple[str, int], dict]:
+        """The vision-tower statistics of every compressed item, by (kind, index); empty without a capture."""
+        if self.vision is None:
+            return {_key(s): {} for s in videos + images}
+        return self.vision.media_stats(videos, images)
 
     # --- prefill ---------------------------------------------------------------------------------------------------
     def _compress_prompt(self, kwargs: dict[str, Any], embeds: Tensor, captured: CapturedInputs) -> dict[str, Any]:
@@ -342,7 +378,11 @@ class ModelPatch:
             raise ValueError("vtc needs a 2-D attention_mask (or none); got a prepared 4-D/dict mask")
         positions = self._original_positions(kwargs.get("position_ids"), bsz, length, embeds.device)
         captured.kwargs["llm_position_ids"] = positions
-        spans = adapter.video_spans(captured)
+        videos = adapter.video_spans(captured) if adapter.has_video(captured) else []
+        images = adapter.image_spans(captured) if self._lists_images() and adapter.has_image(captured) else []
+        image_pipeline = self._image_pipeline() if self.images and images else None
+        # the compressed items, in prompt order (images passing whole stay in the sequence as text does)
+        spans = sorted(videos + (images if image_pipeline is not None else []), key=_prompt_order)
 
         deepstack = deepstack_mask = None
         if adapter.deepstack and kwargs.get("deepstack_visual_embeds") is not None:
@@ -350,38 +390,70 @@ class ModelPatch:
             deepstack = deepstack_per_token(deepstack_mask, kwargs["deepstack_visual_embeds"], (bsz, length))
 
         stats = self.recorder.begin(
-            True,
+            bool(spans),
             batch_size=bsz,
-            videos=len(spans),
-            grids=[s.grid for s in spans],
+            videos=len(videos),
+            images=len({s.video for s in images}),
+            grids=[s.grid for s in videos],
             visual_tokens_in=sum(s.num_tokens for s in spans),
             sequence_in=length,
         )
         for b in range(bsz):  # the frames handle.prepare chose for this prompt, row by row
             row = captured.input_ids[b][mask[b].bool().to(captured.input_ids.device)]
             stats.frames.extend(self.prepared.get(tuple(row.tolist()), {}).get("frames", []))
-        encoded = self._encoded_videos(spans)
-        vision = self.vision.video_stats(spans) if self.vision is not None else [{} for _ in spans]
-        prepool = self.prepool.per_video([s.grid[0] for s in spans]) if self.prepool is not None else None
+        encoded = self._encoded_videos(videos)
+        vision = self._vision_stats(videos, images if image_pipeline is not None else [])
+        prepool = self.prepool.per_video([s.grid[0] for s in videos]) if self.prepool is not None and videos else None
         if encoded is None:  # with encode methods the prompt began in the tower call (their state carries on)
             self.pipeline.begin_prompt()  # every method's ctx.state starts empty for this prompt
+        if image_pipeline is not None:
+            image_pipeline.share_prompt_state(self.pipeline)  # a method's state is one per prompt, images included
         outputs = []
         changed = False
-        for k, span in enumerate(spans):
-            ctx = self._context(span, captured, mask).replace(video_index=k, vision=vision[k])
-            if prepool is not None:
-                ctx = ctx.replace(prepool=prepool[k], pool=self.prepool.pool, project=self.prepool.projection)
+        for span in spans:
+            is_video = span.kind == "video"
+            ctx = self._context(span, captured, mask).replace(video_index=span.video, vision=vision[_key(span)])
+            ctx = ctx.replace(media=span.kind)
+            if span.view == "crops":  # the crops' statistics come packed on their token grid (`pack_crops`)
+                ctx = ctx.replace(geometry=dataclasses.replace(ctx.geometry, patch_grid=None))
+            if prepool is not None and is_video:
+                ctx = ctx.replace(prepool=prepool[span.video], pool=self.prepool.pool, project=self.prepool.projection)
             inputs = self._video_inputs(span, embeds, positions, deepstack)
-            if encoded is not None:
-                inputs["survivors"] = encoded[k].kept
-                inputs["survivor_weights"] = encoded[k].weight
-            tokens, out = connect_video(self.pipeline, ctx=ctx, recorder=self.recorder, **inputs)
+            if encoded is not None and is_video:
+                inputs["survivors"] = encoded[span.video].kept
+                inputs["survivor_weights"] = encoded[span.video].weight
+            pipeline = self.pipeline if is_video else image_pipeline
+            tokens, out = connect_video(pipeline, ctx=ctx, recorder=self.recorder, **inputs)
             changed |= out is not tokens  # plugins return their input untouched when they keep everything
             outputs.append(out)
-        stats.llm_tokens_per_video = [len(o) for o in outputs]
-        stats.llm_tokens_in = sum(stats.llm_tokens_per_video)
+        out_of = {_key(span): len(out) for span, out in zip(spans, outputs)}
+        stats.items = [
+            MediaItem(
+                s.kind,
+                s.video,
+                s.batch,
+                s.grid,
+                s.num_tokens,
+                out_of.get(_key(s), s.num_tokens),
+                _key(s) in out_of,
+                s.view,
+            )
+            for s in sorted(videos + images, key=_prompt_order)
+        ]
+        stats.llm_tokens_per_video = [out_of[_key(s)] for s in videos]
+        stats.llm_tokens_in = sum(out_of.values())
         stats.visual_tokens_out = stats.llm_tokens_in
         self._final_counts = (lambda: [len(o) for o in outputs]) if self.runtime is None else self._layer_counts(spans)
+        self._counted = [(s.grid, s.kind, self.pipeline if s.kind == "video" else image_pipeline) for s in spans]
+        self._prefill_pipeline = self.pipeline
+        if not spans:  # only images, passing whole (images=False): the model runs unchanged, its images listed
+            stats.note = "images pass whole (images=False)"
+            return kwargs
+        if image_pipeline is not None:
+            if videos:
+                self.pipeline.check_images_in_llm()  # the video pipeline's in-LLM methods see the images too
+            else:
+                self._prefill_pipeline = image_pipeline  # an image-only prompt: the image shares of the retention
 
         if changed:
             new = rebuild(embeds, mask, positions, spans, outputs, self.policy == "compact", deepstack, deepstack_mask)
@@ -562,4 +634,4 @@ class ModelPatch:
 
     # --- prefill plugins --------------------------------------------------------------------------------------
     def _call_prefill_plugins(self, state, decoding: bool) -> None:
-        self.pipeline.run_prefill(state, self._prefill_ctx, self.recorder, decoding=decoding)
+        self._prefill_pipeline.run_prefill(state, self._prefill_ctx, self.recorder, decoding=decoding)

@@ -73,8 +73,10 @@ def rebuild(
         ds_mask_parts = [deepstack_mask[b, text_idx].to(device)] if deepstack_mask is not None else []
         for k, (span, tokens) in enumerate(row_spans):
             n = len(tokens)
-            slot = span.frame_slot.to(device)[tokens.frame.to(device)]
-            keys.append(2 * slot + 1)
+            if span.in_place:  # each token back at its own index (a grid whose rows end with a newline token)
+                keys.append(2 * tokens.seq_index.to(device) + 1)
+            else:
+                keys.append(2 * span.frame_slot.to(device)[tokens.frame.to(device)] + 1)
             sources.append(tokens.seq_index.to(device))
             parts.append(tokens.embeds.to(device, embeds.dtype))
             visual.append(torch.ones(n, dtype=torch.bool, device=device))

@@ -96,6 +96,18 @@ class VisionCapture:
             chunks.append(frame_stats(query.detach(), key.detach(), scaling, kinds))
         return self._original[module](module, query, key, value, attention_mask, **kwargs)
 
+    def media_stats(self, videos, images) -> dict[tuple[str, int], dict[VisionStat, Tensor]]:
+        """Per item, by (kind, index, view): each requested statistic on its frames; consumes the captured calls."""
+        out = {}
+        if videos:
+            per_video = self.adapter.vision_stats_per_video(self.calls, videos, self.layer_of)
+            out.update({(s.kind, s.video, s.view): stats for s, stats in zip(videos, per_video)})
+        if images:
+            per_image = self.adapter.vision_stats_per_image(self.calls, images, self.layer_of)
+            out.update({(s.kind, s.video, s.view): stats for s, stats in zip(images, per_image)})
+        self.calls.clear()
+        return out
+
     def video_stats(self, spans) -> list[dict[VisionStat, Tensor]]:
         """Per video (in `spans` order), each requested statistic on its frames; consumes the captured calls."""
         per_video = self.adapter.vision_stats_per_video(self.calls, spans, self.layer_of)

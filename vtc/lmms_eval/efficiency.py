@@ -4,6 +4,8 @@ Plain dictionaries, so a results file can be read back without lmms-eval or vtc'
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any, Iterable
 
 from vtc.core.stats import ForwardStats
@@ -75,6 +77,7 @@ def doc_record(
     ]
     record = _record("hf", grids, counts, stages, times, output_tokens)
     record["layer_visual_tokens"] = list(stats.layer_visual_tokens)
+    record["items"] = [dataclasses.asdict(item) for item in stats.items]  # each video and image: tokens in / out
     if stats.frames:  # what the model was shown: the sampler's frames, their times and scores
         record["frames"] = [frame_record(f) for f in stats.frames]
     return record

@@ -50,6 +50,7 @@ class ModelArgs:
     num_frames: int | None = 32  # frames per video (uniform without a sampler); none: the sampler's own rule
     positions: str | None = None  # "keep" / "compact"; default: what each method's official code does
     seed: int = 0  # seed of every random choice a method makes
+    images: bool = True  # backend=hf: compress each image of a document too (false: images pass whole)
     dtype: str = "auto"  # auto, bfloat16, float16, float32
     device_map: str | None = None  # from_pretrained's device_map (default: "auto" on GPU, CPU otherwise)
     attn_implementation: str | None = None  # e.g. flash_attention_2 (FastV-style methods read attention anyway)
@@ -93,6 +94,8 @@ def split_model_args(args: dict[str, Any]) -> tuple[ModelArgs, dict[str, Any]]:
         )
     if parsed.backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {parsed.backend!r}")
+    if not isinstance(parsed.images, bool):
+        raise ValueError(f"images must be true or false, got {parsed.images!r}")
     if parsed.backend == "vllm":
         given = [name for name in HF_ONLY if getattr(parsed, name) is not None]
         if given:
@@ -232,6 +235,7 @@ class VtcModel(lmms):
                 positions=self.args.positions,
                 processor=self.processor,
                 seed=self.args.seed,
+                images=self.args.images,
                 **params,
             )
         except (ValueError, KeyError) as err:
@@ -328,11 +332,13 @@ class VtcModel(lmms):
         """The answer to one chat in lmms-eval's message format (greedy unless the task asks for sampling), and
         the document's record."""
         chat = Chat.parse(raw_messages, self.system_prompt, where, self)
-        if chat.video is None and self.pipeline is not None and not self._warned_no_video:
+        images_pass = self.args.backend == "vllm" or not self.args.images or not chat.images
+        if chat.video is None and self.pipeline is not None and images_pass and not self._warned_no_video:
             self._warned_no_video = True
+            why = "images=false" if self.args.backend == "hf" and chat.images else "vLLM passes images whole"
             warnings.warn(
-                f"{where}: no video in this document, so {self.pipeline.spec} compresses nothing (vtc compresses "
-                "videos; images pass as they are). Its record says so; further documents like it are not warned about",
+                f"{where}: no video in this document, so {self.pipeline.spec} compresses nothing ({why}). Its record "
+                "says so; further documents like it are not warned about",
                 stacklevel=2,
             )
         if self.args.backend == "vllm":

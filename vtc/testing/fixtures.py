@@ -67,14 +67,15 @@ def batch_inputs(family: str):
 
 def prompt_inputs(processor, videos: list[Any], images: list[Any] = (), question: str = QUESTIONS[0], fps: float = 8):
     """Processor inputs of ONE prompt holding several videos ([T, H, W, 3] uint8 each, all frames used), then
-    `images` (PIL), then the question: what a user sends when a prompt compares clips or adds a picture."""
+    `images` (PIL), then the question: what a user sends when a prompt compares clips or adds a picture (no videos:
+    an image prompt)."""
     chat = build_messages(question, videos=len(videos), images=len(images))
     text = processor.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
     sampled = [SampledVideo(v, list(range(len(v))), VideoSource.open(v, fps=fps)) for v in videos]
     extra = {"images": list(images)} if images else {}
-    return processor(
-        text=[text], videos=list(videos), return_tensors="pt", **extra, **processor_video_kwargs(processor, sampled)
-    )
+    if videos:
+        extra.update(videos=list(videos), **processor_video_kwargs(processor, sampled))
+    return processor(text=[text], return_tensors="pt", **extra)
 
 
 def token_grids(model: torch.nn.Module, inputs: Any) -> list[tuple[int, int, int]]:

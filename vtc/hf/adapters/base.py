@@ -9,6 +9,7 @@ machinery that rewrites the sequence lives in `vtc.hf.patching`.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import torch
@@ -44,7 +45,7 @@ class CapturedInputs:
 
 @dataclasses.dataclass
 class VideoSpan:
-    """Where one video's compressible tokens sit in one batch row.
+    """Where one video's (or image's) compressible tokens sit in one batch row.
 
     seq_index:  [N] sequence indices of the tokens, in grid order (frame-major, then row, then column)
     grid:       (T, H, W) token grid
@@ -53,6 +54,10 @@ class VideoSpan:
     timestamps: [T] seconds, when the inputs carry them
     media_rows: [T] the vision tower's batch item of each frame, where the tower encodes a prompt's frames among
                 other media (InternVL: frames and image tiles share `pixel_values`); None elsewhere
+    kind:       "video", or "image" (`Adapter.image_spans`); `video` then counts the images
+    view:       which part of an image of several parts the span is (LLaVA's anyres: "base" or "crops"); "" else
+    in_place:   kept tokens go back to their own sequence index, not to their frame's first slot (a grid with
+                newline tokens between its rows: each row keeps its newline)
     """
 
     batch: int
@@ -62,6 +67,10 @@ class VideoSpan:
     frame_slot: Tensor
     timestamps: Tensor | None = None
     media_rows: Tensor | None = None
+    kind: str = "video"
+    view: str = ""
+    in_place: bool = False
+    anyres: AnyresLayout | None = None  # LLaVA's image packing, on the spans of an anyres image
 
     @property
     def num_tokens(self) -> int:
@@ -143,8 +152,9 @@ def contiguous_spans(
     grids: list[tuple[int, int, int]],
     family: str,
     trailing_specials: int = 0,
+    kind: str = "video",
 ) -> list[VideoSpan]:
-    """Spans for families whose video is one contiguous run of placeholder tokens.
+    """Spans for families whose video (or image: `kind`) is one contiguous run of placeholder tokens.
 
     `trailing_specials` placeholder tokens at the end of each run are not compressible (LLaVA-OneVision's
     newline token) and stay in place as if they were text.
@@ -157,25 +167,69 @@ def contiguous_spans(
             while pos < end:
                 if video >= len(tokens_per_video):
                     raise ValueError(
-                        f"{family}: the prompt has more video placeholder tokens than the videos passed produce"
+                        f"{family}: the prompt has more {kind} placeholder tokens than the {kind}s passed produce"
                     )
                 length = tokens_per_video[video]
                 if pos + length > end:
                     raise ValueError(
-                        f"{family}: video {video} needs {length} placeholder tokens but its run has {end - pos}"
+                        f"{family}: {kind} {video} needs {length} placeholder tokens but its run has {end - pos}"
                     )
                 t, h, w = grids[video]
                 n = t * h * w
                 if n + trailing_specials != length:
-                    raise ValueError(f"{family}: video {video} grid {grids[video]} does not match {length} tokens")
+                    raise ValueError(f"{family}: {kind} {video} grid {grids[video]} does not match {length} tokens")
                 seq_index = torch.arange(pos, pos + n, device=input_ids.device)
                 frame_slot = torch.full((t,), pos, device=input_ids.device, dtype=torch.long)
-                spans.append(VideoSpan(b, video, seq_index, (t, h, w), frame_slot))
+                spans.append(VideoSpan(b, video, seq_index, (t, h, w), frame_slot, kind=kind))
                 pos += length
                 video += 1
     if video != len(tokens_per_video):
-        raise ValueError(f"{family}: {len(tokens_per_video)} videos were passed but {video} were found in the prompt")
+        raise ValueError(
+            f"{family}: {len(tokens_per_video)} {kind}s were passed but {video} were found in the prompt"
+        )
     return spans
+
+
+@dataclasses.dataclass(frozen=True)
+class AnyresLayout:
+    """How a LLaVA model packs one image's features (transformers' `pack_image_features`): a base view of
+    side x side tokens, then, when the image was split into views, the crops' nh x nw grid of views, unpadded to
+    rows x cols (from `unpadded` when LLaVA-OneVision's anyres_max shrank it bilinearly), a newline after each row;
+    an image of one view ends with one newline."""
+
+    side: int
+    views: int  # views the tower encoded: 1 (base only) or 1 + nh * nw
+    nh: int
+    nw: int
+    rows: int  # the packed crop grid (0: no crops)
+    cols: int
+    unpadded: tuple[int, int] | None  # (rows, cols) before the resize, when there was one
+
+    @property
+    def length(self) -> int:
+        """Tokens of the image in the prompt."""
+        return self.side * self.side + (self.rows * (self.cols + 1) if self.rows else 1)
+
+
+def pack_crops(values: Tensor, layout: AnyresLayout, cls_tokens: int, token_axis: int = 1) -> Tensor:
+    """Per-view tower values of an image's crops, [nh * nw, L, ...] (or [nh * nw, ..., L] with `token_axis=-1`; CLS
+    first where the tower has one), packed the way the model packs the crops' features: CLS dropped, the views
+    tiled into an (nh * side) x (nw * side) grid, unpadded, resized bilinearly where the model resizes -> one frame,
+    [1, rows * cols, ...] (or [1, ..., rows * cols])."""
+    x = values.movedim(token_axis, 1)[:, cls_tokens:].float()
+    rest = x.shape[2:]
+    side = layout.side
+    x = x.reshape(layout.nh, layout.nw, side, side, -1).permute(4, 0, 2, 1, 3)
+    x = x.reshape(x.shape[0], layout.nh * side, layout.nw * side)
+    rows, cols = layout.unpadded or (layout.rows, layout.cols)
+    height, width = x.shape[1:]
+    top = (height - rows) // 2 if rows < height else 0  # transformers' unpad_image removes the padding evenly
+    left = (width - cols) // 2 if cols < width else 0
+    x = x[:, top : top + rows, left : left + cols]
+    if layout.unpadded is not None:
+        x = torch.nn.functional.interpolate(x[None], [layout.rows, layout.cols], mode="bilinear")[0]
+    x = x.reshape(x.shape[0], -1).transpose(0, 1).reshape(1, layout.rows * layout.cols, *rest)
+    return x.movedim(1, token_axis).to(values.dtype)
 
 
 class Adapter:
@@ -250,6 +304,31 @@ class Adapter:
         """Every video's compressible tokens in the prompt, in order of appearance."""
         raise NotImplementedError
 
+    @property
+    def image_token_id(self) -> int | None:
+        """The token that marks image features (None: the family takes no images)."""
+        config = self.model.config
+        value = getattr(config, "image_token_id", None)
+        if value is None:
+            value = getattr(config, "image_token_index", None)
+        return None if value is None else int(value)
+
+    def image_spans(self, captured: CapturedInputs) -> list[VideoSpan]:
+        """Every image's compressible tokens in the prompt, in order of appearance, as one-frame spans (`kind` =
+        "image"; an image of several views, e.g. anyres crops, may give several spans)."""
+        raise ValueError(
+            f"{self.family}: vtc cannot compress this family's images yet; pass images=False to let them reach the "
+            "LLM whole"
+        )
+
+    def has_image(self, captured: CapturedInputs) -> bool:
+        token = self.image_token_id
+        return token is not None and captured.input_ids is not None and bool((captured.input_ids == token).any())
+
+    def vision_stats_per_image(self, calls, spans, layer_of) -> list[dict]:
+        """As `vision_stats_per_video`, for image spans (the tower call that encoded the prompt's images)."""
+        return self.vision_stats_per_video(calls, spans, layer_of)
+
     # --- vision tower (for plugins that read its attention) ----------------------------------------------------
     def vision_attention_modules(self) -> list[torch.nn.Module]:
         """The attention module of every encoder layer of the vision tower, in order."""
@@ -300,3 +379,101 @@ class LlavaAdapter(Adapter):
     def patch_side(self) -> int:
         vision = self.model.config.vision_config
         return int(vision.image_size // vision.patch_size)
+
+    # --- images: anyres (a base view, then the crops packed into one unpadded grid with a newline per row) ---------
+    max_views: int | None = None  # LLaVA-OneVision's anyres_max_N: the packed grid is shrunk to about N views
+
+    def _hf_module(self):
+        import importlib
+
+        return importlib.import_module(type(self.outer).__module__)
+
+    def image_layouts(self, captured: CapturedInputs) -> list[AnyresLayout]:
+        """How the model packs each image's features (`pack_image_features`), from `image_sizes` and the config,
+        with transformers' own anyres functions."""
+        sizes = captured.kwargs.get("image_sizes")
+        if sizes is None:
+            raise ValueError(f"{self.family}: the prompt has image tokens but the forward got no image_sizes")
+        config, hf = self.model.config, self._hf_module()
+        side = self.patch_side
+        counts = captured.kwargs.get("batch_num_images")  # LLaVA-OneVision: several images of a prompt are not split
+        patched = [True] * len(sizes) if counts is None else [int(n) == 1 for n in counts for _ in range(int(n))]
+        layouts = []
+        for size, split in zip(sizes.tolist(), patched):
+            views = hf.image_size_to_num_patches(size, config.image_grid_pinpoints, config.vision_config.image_size)
+            if not split or views == 1:
+                layouts.append(AnyresLayout(side, 1, 0, 0, 0, 0, None))
+                continue
+            nh, nw = hf.get_anyres_image_grid_shape(size, config.image_grid_pinpoints, config.vision_config.image_size)
+            _, rows, cols = hf.unpad_image(torch.empty(0, nh * side, nw * side), size).shape
+            resized = None
+            if self.max_views is not None:
+                ratio = math.sqrt(rows * cols / (self.max_views * side**2))
+                if ratio > 1.1:
+                    resized = (int(rows // ratio), int(cols // ratio))
+            out_rows, out_cols = resized or (rows, cols)
+            layouts.append(AnyresLayout(side, views, nh, nw, out_rows, out_cols, (rows, cols) if resized else None))
+        return layouts
+
+    def image_spans(self, captured: CapturedInputs) -> list[VideoSpan]:
+        """Each image as its base view (grid (1, side, side)) and, when the processor split it, its packed crop grid
+        (grid (1, rows, cols), the newline after each row staying in place): two items of one image."""
+        layouts = self.image_layouts(captured)
+        token = self.image_token_id
+        device = captured.input_ids.device
+        spans: list[VideoSpan] = []
+        image = 0
+        for b in range(captured.input_ids.shape[0]):
+            for start, end in runs(captured.input_ids[b] == token):
+                pos = start
+                while pos < end:
+                    if image >= len(layouts):
+                        raise ValueError(f"{self.family}: the prompt has more image tokens than the images passed produce")
+                    layout = layouts[image]
+                    if pos + layout.length > end:
+                        raise ValueError(
+                            f"{self.family}: image {image} needs {layout.length} tokens but its run has {end - pos}"
+                        )
+                    base = layout.side * layout.side
+                    spans.append(
+                        VideoSpan(
+                            b, image, torch.arange(pos, pos + base, device=device), (1, layout.side, layout.side),
+                            torch.tensor([pos], device=device), kind="image", view="base", anyres=layout,
+                        )
+                    )
+                    if layout.rows:
+                        cells = torch.arange(layout.rows * layout.cols, device=device)
+                        seq = pos + base + cells // layout.cols * (layout.cols + 1) + cells % layout.cols
+                        spans.append(
+                            VideoSpan(
+                                b, image, seq, (1, layout.rows, layout.cols), seq[:1].clone(), kind="image",
+                                view="crops", in_place=True, anyres=layout,
+                            )
+                        )
+                    pos += layout.length
+                    image += 1
+        if image != len(layouts):
+            raise ValueError(f"{self.family}: {len(layouts)} images were passed but {image} were found in the prompt")
+        return spans
+
+    def vision_stats_per_image(self, calls, spans, layer_of) -> list[dict]:
+        """The tower call that encoded the prompt's image views: the base view's statistics as a frame's, the crops'
+        packed as the model packs their features (unpadded, resized), already on the token grid (CLS dropped)."""
+        layouts = {span.video: span.anyres for span in spans}
+        views = [layouts[k].views for k in range(len(layouts))]
+        call = next((c for c in reversed(calls) if c["items"] == sum(views)), None)
+        if call is None:
+            raise RuntimeError("no vision-tower call for these images was captured (was the vision tower bypassed?)")
+        first = [sum(views[:k]) for k in range(len(views))]
+        out: list[dict] = [{} for _ in spans]
+        for stat, layer in layer_of.items():
+            values = torch.cat([c[stat.kind] for c in call["chunks"].get(layer, []) if stat.kind in c])
+            for k, span in enumerate(spans):
+                layout = layouts[span.video]
+                if span.view == "base":
+                    out[k][stat] = values[first[span.video] : first[span.video] + 1]
+                else:
+                    crops = values[first[span.video] + 1 : first[span.video] + layout.views]
+                    axis = -1 if stat.kind == "cls" else 1
+                    out[k][stat] = pack_crops(crops, layout, self.geometry.cls_tokens, axis)
+        return out

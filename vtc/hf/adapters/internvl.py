@@ -9,12 +9,13 @@ The model knows no videos: its processor writes each frame as a one-tile image b
 and merges the frames into `pixel_values` with the images' tiles (in prompt order). An image is one run of
 `256 x tiles` context tokens. So a video here is a chain of one-tile runs, each after a short `FrameK: ` label:
 
-  * a run of more than one tile is an image and passes whole;
+  * a run of more than one tile is an image: an item of kind "image" whose frames are its tiles (grid (tiles, 16, 16):
+    per-frame methods prune each tile, as the LLaVA-NeXT line prunes each crop);
   * consecutive one-tile runs belong to one video when the text between them is a frame label (a few tokens, the
     same length as the chain's first label, one more past Frame9); a label that repeats the chain's first label
     (`Frame1: ` again) starts the next video;
   * a chain needs two frames: a lone one-tile run (a square picture the processor did not split, or a one-frame
-    video, which look the same) passes whole.
+    video, which look the same) is an image.
 
 The pixel shuffle is a 2 x 2 merge unit like Qwen's merger, but the tower's patches come in raster order behind a
 CLS token, so vision statistics are mapped here onto the token grid (CLS dropped, each 2 x 2 block averaged): the
@@ -139,24 +140,59 @@ class InternVLAdapter(Adapter):
     def has_video(self, captured: CapturedInputs) -> bool:
         return captured.input_ids is not None and bool(self._layout(captured.input_ids)[0])
 
-    def video_spans(self, captured: CapturedInputs) -> list[VideoSpan]:
-        input_ids = captured.input_ids
-        videos, tiles = self._layout(input_ids)
-        h, w = self.frame_grid()
-        device = input_ids.device
-        # the pixel_values row of every run: the processor concatenates each prompt's media in prompt order
+    def _first_rows(self, input_ids: torch.Tensor, tiles: list[int]) -> dict[tuple[int, int], int]:
+        """The `pixel_values` row of every media run's first tile, by (batch row, start): the processor concatenates
+        each prompt's media in prompt order."""
         first_row = {}
         offset = 0
         for b in range(input_ids.shape[0]):
             for start, _ in runs(input_ids[b] == self.video_token_id):
                 first_row[(b, start)] = offset
                 offset += tiles[len(first_row) - 1]
+        return first_row
+
+    def _images(self, input_ids: torch.Tensor) -> list[tuple[int, int, int]]:
+        """(batch row, start, end) of every media run that is not a frame of a video: the images."""
+        videos, _ = self._layout(input_ids)
+        frames = {(b, start) for b, chain in videos for start, _ in chain}
+        return [
+            (b, start, end)
+            for b in range(input_ids.shape[0])
+            for start, end in runs(input_ids[b] == self.video_token_id)
+            if (b, start) not in frames
+        ]
+
+    def has_image(self, captured: CapturedInputs) -> bool:
+        return captured.input_ids is not None and bool(self._images(captured.input_ids))
+
+    def video_spans(self, captured: CapturedInputs) -> list[VideoSpan]:
+        input_ids = captured.input_ids
+        videos, tiles = self._layout(input_ids)
+        h, w = self.frame_grid()
+        device = input_ids.device
+        first_row = self._first_rows(input_ids, tiles)
         spans = []
         for k, (b, chain) in enumerate(videos):
             seq_index = torch.cat([torch.arange(s, e, device=device) for s, e in chain])
             frame_slot = torch.tensor([s for s, _ in chain], device=device)
             span = VideoSpan(b, k, seq_index, (len(chain), h, w), frame_slot)
             span.media_rows = torch.tensor([first_row[(b, s)] for s, _ in chain])
+            spans.append(span)
+        return spans
+
+    def image_spans(self, captured: CapturedInputs) -> list[VideoSpan]:
+        """One item per image, its tiles as frames (the thumbnail, when the processor adds one, is its last tile)."""
+        input_ids = captured.input_ids
+        _, tiles = self._layout(input_ids)
+        h, w = self.frame_grid()
+        device = input_ids.device
+        first_row = self._first_rows(input_ids, tiles)
+        spans = []
+        for k, (b, start, end) in enumerate(self._images(input_ids)):
+            count = (end - start) // (h * w)
+            frame_slot = start + torch.arange(count, device=device) * h * w
+            span = VideoSpan(b, k, torch.arange(start, end, device=device), (count, h, w), frame_slot, kind="image")
+            span.media_rows = first_row[(b, start)] + torch.arange(count)
             spans.append(span)
         return spans
 

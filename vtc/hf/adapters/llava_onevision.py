@@ -28,7 +28,7 @@ FAMILY = Family(
     processor_classes=("LlavaOnevisionProcessor",),
     adapter="vtc.hf.adapters.llava_onevision:LlavaOnevisionAdapter",
     frame_rule="floor",
-    media_kwargs=("pixel_values_videos", "mm_encoder_outputs"),
+    media_kwargs=("pixel_values_videos", "mm_encoder_outputs", "pixel_values", "image_sizes", "batch_num_images"),
     vision_stats=frozenset({"received", "keys", "features"}),
     features=frozenset({"tower_blocks", "patch_grid", "prepool", "streaming"}),
     tiny="vtc.testing.tiny:build_llava_onevision",
@@ -43,6 +43,11 @@ class LlavaOnevisionAdapter(LlavaAdapter):
     def geometry(self) -> FamilyGeometry:
         side = self.patch_side
         return FamilyGeometry(self.family, mrope=False, patch_grid=(side, side), pooling="bilinear")
+
+    @property
+    def max_views(self) -> int:
+        """anyres_max_N (`vision_aspect_ratio`): the packed crop grid is resized to about N views' tokens."""
+        return int(str(getattr(self.model.config, "vision_aspect_ratio", "anyres_max_9")).removeprefix("anyres_max_"))
 
     def prepool_capture(self) -> PrepoolCapture:
         """Projected SigLIP features before `apply_pooling` (bilinear to ceil(side / 2))."""

@@ -8,8 +8,15 @@ from vtc.core.families import Family
 from vtc.core.geometry import FamilyGeometry
 from vtc.hf.adapters.base import Adapter, CapturedInputs, VideoSpan, contiguous_spans, runs
 
-# media arguments of the Qwen-VL forwards (images: pixel_values + image_grid_thw, untouched by vtc)
-QWEN_MEDIA_KWARGS = ("video_grid_thw", "second_per_grid_ts", "pixel_values_videos", "mm_encoder_outputs")
+# media arguments of the Qwen-VL forwards (videos, then images)
+QWEN_MEDIA_KWARGS = (
+    "video_grid_thw",
+    "second_per_grid_ts",
+    "pixel_values_videos",
+    "mm_encoder_outputs",
+    "image_grid_thw",
+    "pixel_values",
+)
 QWEN_VISION_STATS = frozenset({"received", "keys", "mean_query"})
 
 FAMILY = Family(
@@ -28,22 +35,25 @@ FAMILY = Family(
 
 
 def qwen_grids(
-    captured: CapturedInputs, merge: int, segments: list[list[tuple[int, int, int]]] | None = None
+    captured: CapturedInputs,
+    merge: int,
+    segments: list[list[tuple[int, int, int]]] | None = None,
+    kind: str = "video",
 ) -> list[tuple[int, int, int]]:
-    """Token grid (T, H, W) of every video.
+    """Token grid (T, H, W) of every video (or image: `kind`).
 
-    From `video_grid_thw` when the forward got it; `generate` (transformers >= 5.18) encodes the media
-    before the prefill and passes only `mm_encoder_outputs`, so the grid is then read back from the M-RoPE
-    (h, w) positions of each video's first token segment and the video's token count.
-    `segments[k]` = (batch row, start, end) runs of video k's tokens, in order."""
-    grid_thw = captured.kwargs.get("video_grid_thw")
+    From `video_grid_thw` (`image_grid_thw`) when the forward got it; `generate` (transformers >= 5.18) encodes the
+    media before the prefill and passes only `mm_encoder_outputs`, so the grid is then read back from the M-RoPE
+    (h, w) positions of each item's first token segment and the item's token count.
+    `segments[k]` = (batch row, start, end) runs of item k's tokens, in order."""
+    grid_thw = captured.kwargs.get(f"{kind}_grid_thw")
     if grid_thw is not None:
         return [(int(t), int(h) // merge, int(w) // merge) for t, h, w in grid_thw.tolist()]
     positions = captured.kwargs.get("llm_position_ids")
-    counts = video_token_counts(captured)
+    counts = video_token_counts(captured, kind)
     if positions is None or counts is None or segments is None:
         raise ValueError(
-            "the prompt has video tokens but the model got neither video_grid_thw nor (mm_encoder_outputs and "
+            f"the prompt has {kind} tokens but the model got neither {kind}_grid_thw nor (mm_encoder_outputs and "
             "M-RoPE position_ids); pass the processor's outputs unchanged"
         )
     grids = []
@@ -57,9 +67,10 @@ def qwen_grids(
     return grids
 
 
-def video_token_counts(captured: CapturedInputs) -> list[int] | None:
-    """Tokens per video from pre-encoded `mm_encoder_outputs` (what generate passes), if present."""
-    encoded = (captured.kwargs.get("mm_encoder_outputs") or {}).get("video")
+def video_token_counts(captured: CapturedInputs, kind: str = "video") -> list[int] | None:
+    """Tokens per video (or image: `kind`) from pre-encoded `mm_encoder_outputs` (what generate passes), if
+    present."""
+    encoded = (captured.kwargs.get("mm_encoder_outputs") or {}).get(kind)
     if encoded is None:
         return None
     return [int(x.shape[0]) for x in encoded.pooler_output]
@@ -155,6 +166,13 @@ class Qwen2VLAdapter(Adapter):
         spans = contiguous_spans(captured.input_ids, self.video_token_id, counts, grids, self.family)
         self._add_timestamps(spans, captured)
         return spans
+
+    def image_spans(self, captured: CapturedInputs) -> list[VideoSpan]:
+        # one contiguous run of <|image_pad|> per image (Qwen3-VL too: an image is one segment), T = 1
+        segments = [[r] for r in video_runs(captured.input_ids, self.image_token_id)]
+        grids = qwen_grids(captured, self.spatial_merge, segments, kind="image")
+        counts = [t * h * w for t, h, w in grids]
+        return contiguous_spans(captured.input_ids, self.image_token_id, counts, grids, self.family, kind="image")
 
     def _add_timestamps(self, spans: list[VideoSpan], captured: CapturedInputs) -> None:
         """Qwen2-VL inputs carry no timing; Qwen2.5-VL overrides this."""

@@ -1,0 +1,132 @@
+"""Images on the HF backend (`vtc.patch(..., images=True)`, the default): an image prompt on every family keeps the
+unpatched logits at retention 1.0 and, at 0.25, each image item (each view of a LLaVA anyres image) its own
+`retained_count(grid, "image")`; `images=False` lets images through whole and lists them; a spec that cannot reduce
+an image is refused, naming why; LLaVA's crop grid keeps a newline after each row. (Video + image prompts:
+tests/test_multi_media.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from PIL import Image
+
+import vtc
+from tests.conftest import FAMILIES
+from tests.probes import llm_inputs
+from vtc.core.engine import grid_cells, video_tokens
+from vtc.core.pipeline import Pipeline
+from vtc.core.tokens import Context
+from vtc.media.video import synthetic_video
+from vtc.testing.fixtures import model_and_processor, prompt_inputs
+
+
+def picture(height: int = 112, width: int = 140, seed: int = 3) -> Image.Image:
+    return Image.fromarray(synthetic_video(1, height, width, seed=seed)[0])
+
+
+def image_prompt(family: str):
+    _, processor = model_and_processor(family)
+    return prompt_inputs(processor, [], [picture()])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_an_image_prompt_is_compressed_item_by_item(family):
+    model, _ = model_and_processor(family)
+    inputs = image_prompt(family)
+    with torch.no_grad():
+        reference = model(**inputs).logits
+        with vtc.patch(model, "random", retention=1.0):
+            assert torch.equal(model(**inputs).logits, reference)
+
+    embeds, _, handle = llm_inputs(model, inputs, "random", retention=0.25)
+    stats = handle.stats()
+    assert stats.has_video and stats.videos == 0 and stats.images == 1
+    views = ["base", "crops"] if family.startswith("llava") else [""]
+    assert [(i.kind, i.index, i.view) for i in stats.items] == [("image", 0, v) for v in views]
+    for item in stats.items:
+        t, h, w = item.grid
+        assert item.tokens_in == t * h * w and item.compressed
+        assert item.tokens_out == handle.retained_count(item.grid, "image") == round(0.25 * item.tokens_in)
+    assert stats.visual_tokens_in == sum(i.tokens_in for i in stats.items)
+    assert embeds.shape[0] == inputs["input_ids"].shape[1] - stats.visual_tokens_in + stats.llm_tokens_in
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "llava_onevision"])
+def test_images_false_lets_images_through_whole_and_lists_them(family):
+    model, _ = model_and_processor(family)
+    inputs = image_prompt(family)
+    with torch.no_grad():
+        reference = model(**inputs).logits
+        with vtc.patch(model, "dycoke", retention=0.25, images=False) as handle:  # a temporal method: no error
+            assert torch.equal(model(**inputs).logits, reference)
+    stats = handle.stats()
+    assert not stats.has_video and stats.images == 1 and stats.note == "images pass whole (images=False)"
+    assert stats.items and all(not i.compressed and i.tokens_out == i.tokens_in for i in stats.items)
+    grid = stats.items[0].grid
+    assert handle.retained_count(grid, "image") == grid[0] * grid[1] * grid[2]
+
+
+def test_generate_on_a_compressed_image_continues_the_prompt():
+    model, processor = model_and_processor("qwen2_5_vl")
+    inputs = image_prompt("qwen2_5_vl")
+    with torch.no_grad():
+        stock = model.generate(**inputs, max_new_tokens=4, do_sample=False)
+        with vtc.patch(model, "divprune", retention=1.0):
+            assert torch.equal(model.generate(**inputs, max_new_tokens=4, do_sample=False), stock)
+        with vtc.patch(model, "divprune", retention=0.25) as handle:
+            out = model.generate(**inputs, max_new_tokens=4, do_sample=False)
+    assert out.shape == stock.shape and handle.stats().llm_tokens_in == handle.retained_count((1, 4, 5), "image")
+
+
+def test_llava_crop_grid_keeps_each_rows_newline():
+    """The packed crops are one item whose rows end with the model's newline token: kept tokens return to their own
+    rows (positions `keep`: each token's original index), so every newline still closes the row it closed."""
+    model, _ = model_and_processor("llava_onevision")
+    inputs = image_prompt("llava_onevision")
+    stock, _, _ = llm_inputs(model, inputs)
+    embeds, positions, handle = llm_inputs(model, inputs, "random", retention=0.25, positions="keep")
+    original = positions[0]
+    assert bool((original[1:] > original[:-1]).all())  # the prompt's order, with gaps where tokens left
+    newline = model.model.image_newline.to(stock.dtype)
+    at = lambda e: torch.nonzero((e == newline).all(-1)).flatten()  # noqa: E731
+    assert torch.equal(original[at(embeds)], at(stock))  # every newline, at its own original index
+    crops = next(i for i in handle.stats().items if i.view == "crops")
+    assert at(stock).numel() == crops.grid[1]  # one per crop row (the base view of a split image has none)
+
+
+def test_a_known_answer_image_loses_its_blank_half_first():
+    """divprune on one image (grid (1, 4, 8)) whose left half is blank (one repeated feature): greedy max-min
+    diversity keeps at most one blank token while distinct ones remain."""
+    g = torch.Generator().manual_seed(0)
+    embeds = torch.randn(1, 4, 8, 16, generator=g)
+    embeds[:, :, :4] = torch.randn(16, generator=g)  # the blank left half
+    tokens = video_tokens(embeds.reshape(32, 16), (1, 4, 8), mrope=True)
+    pipeline = Pipeline("uniform+divprune", retention=0.5, family="qwen2_5_vl").for_images()
+    assert pipeline.names() == ["divprune"]  # the sampler has no image to act on: divprune takes the whole 0.5
+    out = pipeline.run_connect(tokens, Context(retention=0.5, family="qwen2_5_vl", media="image"), None)
+    cols = grid_cells(out) % 8
+    assert len(out) == 16 and int((cols < 4).sum()) <= 1
+
+
+@pytest.mark.parametrize(
+    ("spec", "videos", "message"),
+    [
+        ("dycoke", 0, "dycoke: needs time"),
+        ("uniform", 0, "uniform: samples the frames of videos"),
+        ("divprune+framefusion", 1, "framefusion acts inside the LLM"),
+    ],
+)
+def test_a_spec_that_cannot_reduce_an_image_is_refused(spec, videos, message):
+    model, processor = model_and_processor("qwen2_vl")
+    clips = [synthetic_video(4, 112, 112, seed=0)] * videos
+    inputs = prompt_inputs(processor, clips, [picture()])
+    with vtc.patch(model, spec, retention=0.5), pytest.raises(ValueError, match=message) as err:
+        with torch.no_grad():
+            model(**inputs)
+    assert "images=False" in str(err.value)
+
+
+def test_images_must_be_a_bool():
+    model, _ = model_and_processor("qwen2_vl")
+    with pytest.raises(ValueError, match="images must be True"):
+        vtc.patch(model, "random", retention=0.5, images="yes")
