@@ -51,6 +51,7 @@ from vtc.testing.fixtures import (
     NUM_FRAMES,
     QUESTIONS,
     batch_inputs,
+    mixed_inputs,
     model_and_processor,
     single_inputs,
     token_grids,
@@ -174,7 +175,9 @@ def _logits(model, inputs) -> torch.Tensor:
 
 
 def _greedy(model, inputs, tokens: int = 4) -> torch.Tensor:
-    out = model.generate(**inputs, max_new_tokens=tokens, do_sample=False)
+    # exactly `tokens` new tokens: a random-weight model may pick its end-of-sequence token first, which would end
+    # a one-prompt generation early (the checks ask whether generation runs, not when the model stops)
+    out = model.generate(**inputs, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
     return out[:, inputs["input_ids"].shape[1] :]
 
 
@@ -269,7 +272,7 @@ def check_retention_fixed(method: str, family: str) -> None:
 
 
 def _planned(handle, stats, method: str) -> int:
-    counts = [handle.retained_count(grid) for grid in stats.grids]
+    counts = [handle.retained_count(i.grid, i.kind) for i in stats.items if i.compressed]
     if all(c is not None for c in counts):
         return sum(counts)
     kept = stats.reports.get(method, {}).get("kept")
@@ -283,16 +286,27 @@ def _planned(handle, stats, method: str) -> int:
 
 
 def check_planned_count(method: str, family: str) -> None:
+    """The last layer keeps the planned count: on one prompt, and on a prompt with a video and an image (a method
+    that takes images compresses the image to its own count; a temporal one runs with images=False, and the image
+    passes whole; a spec with a sampler gets the padded batch instead, its frames chosen by `handle.prepare`)."""
+    info = _info(method)
     model, _ = model_and_processor(family)
-    with _patch(model, method, RETENTION) as handle:
+    sampler = "sample" in info.stages
+    with _patch(model, method, RETENTION, images=info.acts_on_images) as handle:
         for which in (0, None):
-            _logits(model, _inputs(handle, family, which))
+            inputs = _inputs(handle, family, which) if which == 0 or sampler else mixed_inputs(family)
+            _logits(model, inputs)
             stats = handle.stats()
             assert stats.visual_tokens_out == _planned(handle, stats, method), (
                 f"{method} on {family}: the last layer has {stats.visual_tokens_out} visual tokens, the plan says "
                 f"{_planned(handle, stats, method)}"
             )
             assert stats.visual_tokens_out < stats.visual_tokens_in
+            if which is None and not sampler:
+                images = [i for i in stats.items if i.kind == "image"]
+                assert images and all(i.compressed == info.acts_on_images for i in images), (
+                    f"{method} on {family}: images {'should' if info.acts_on_images else 'should not'} be compressed"
+                )
 
 
 def check_fixed_count(method: str, family: str) -> None:

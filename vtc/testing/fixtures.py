@@ -65,6 +65,18 @@ def batch_inputs(family: str):
     return prepare_inputs(processor, list(videos()), list(QUESTIONS), num_frames=NUM_FRAMES, fps=8)
 
 
+@functools.lru_cache(maxsize=None)
+def mixed_inputs(family: str):
+    """One prompt with a video (NUM_FRAMES frames of the first clip) and then an image (a frame of the second clip,
+    resized to 112 x 140): what the matrix sends to check images beside videos."""
+    from PIL import Image
+
+    _, processor = model_and_processor(family)
+    clip = videos()[0][:: len(videos()[0]) // NUM_FRAMES][:NUM_FRAMES]
+    picture = Image.fromarray(videos()[1][0]).resize((140, 112))
+    return prompt_inputs(processor, [clip], [picture])
+
+
 def prompt_inputs(processor, videos: list[Any], images: list[Any] = (), question: str = QUESTIONS[0], fps: float = 8):
     """Processor inputs of ONE prompt holding several videos ([T, H, W, 3] uint8 each, all frames used), then
     `images` (PIL), then the question: what a user sends when a prompt compares clips or adds a picture (no videos:
