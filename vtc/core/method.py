@@ -111,8 +111,10 @@ class LLMState(Protocol):
     What: `hidden` [B, n, D], `layout` (`TokenLayout` of the prompt now), `prefill_layout(layer)` (what that
     layer cached), `grids`, `visual_tokens_in`.
     Attention: `request_attention(num_rows | "after_visual", upcast)` at a layer start, then `attention(layer)`
-    [B, heads, rows, keys] and `attention_rows_valid(layer)`; `projections(rows)` gives this layer's query rows
-    and keys before RoPE; `attend_bidirectionally()` makes this layer's prompt attention non-causal.
+    [B, heads, rows, keys] and `attention_rows_valid(layer)`; `attention_at_start(num_rows, upcast)` computes this
+    layer's rows at its start, before it runs (to drop tokens before the layer that ranks them);
+    `projections(rows)` gives this layer's query rows and keys before RoPE; `attend_bidirectionally()` makes this
+    layer's prompt attention non-causal.
     Changes: `keep(mask, prune_cache=False)`, `merge_mean(batch, dst, src)`, `replace_hidden(hidden)` during
     prefill; `mask_keys(visible)` during decode.
     """
@@ -132,6 +134,8 @@ class LLMState(Protocol):
     def attention(self, layer: int | None = None) -> Tensor: ...
 
     def attention_rows_valid(self, layer: int | None = None) -> Tensor: ...
+
+    def attention_at_start(self, num_rows: int | str = 1, upcast: bool = True) -> Tensor: ...
 
     def projections(self, rows: Tensor) -> tuple[Tensor, Tensor]: ...
 

@@ -45,6 +45,7 @@ prompt keys from the following layers for that step (`state.mask_keys`), as DyCo
 from __future__ import annotations
 
 import dataclasses
+import sys
 import types
 import warnings
 from typing import Any, Callable
@@ -173,6 +174,19 @@ class LLMState:
         if self.point != "layer_start" or self.phase != "prefill":
             raise RuntimeError("projections are available at the 'layer_start' point of a prefill layer")
         return self._rt.projections(rows)
+
+    def attention_at_start(self, num_rows: int | str = 1, upcast: bool = True) -> Tensor:
+        """This layer's attention probabilities [B, heads, rows, keys] of the last `num_rows` prompt tokens (or
+        `"after_visual"`), computed at "layer_start" of a prefill layer from the stream entering it, before the
+        layer runs: its input norm and q/k projections (`projections`), RoPE at the current slots' positions (the
+        attention module's own `apply_rotary_pos_emb`), then `attention_rows` with the causal and padding mask of
+        `request_attention`. A method can then drop tokens before the very layer that ranks them (PyramidDrop);
+        `attention_rows_valid` is not set (every row is real unless `"after_visual"`)."""
+        if self.point != "layer_start" or self.phase != "prefill":
+            raise RuntimeError("attention_at_start is available at the 'layer_start' point of a prefill layer")
+        if not (isinstance(num_rows, int) and num_rows >= 1) and num_rows != "after_visual":
+            raise ValueError(f"num_rows must be a positive int or 'after_visual', got {num_rows!r}")
+        return self._rt.attention_at_start(num_rows, upcast)
 
     def attend_bidirectionally(self) -> None:
         """Let this layer's prompt tokens attend to every prompt token, later ones included (padding stays
@@ -718,24 +732,54 @@ class LLMRuntime:
 
     def _capture_prefill(self, layer: int, query: Tensor, key: Tensor, scaling: float) -> None:
         num_rows, upcast = self.requests[layer]
-        valid = self.layout.valid.to(query.device)
-        bsz, n = valid.shape
-        slot = torch.arange(n, device=query.device)[None].expand_as(valid)
-        last = torch.where(valid, slot, -1).max(dim=1).values
-        if num_rows == "after_visual":
-            visual = (self.layout.visual & self.layout.valid).to(query.device)
-            first = torch.where(visual, slot, -1).max(dim=1).values + 1  # the slot after the last visual token
-            counts = (last - first + 1).clamp(min=1)
-            width = int(counts.max())
-            offsets = torch.arange(width, device=query.device)[None]
-            rows_valid = offsets < counts[:, None]
-            rows = torch.minimum(first[:, None] + offsets, last[:, None])
-        else:
-            rows = (last[:, None] - torch.arange(num_rows - 1, -1, -1, device=query.device)[None]).clamp(min=0)
-            rows_valid = torch.ones_like(rows, dtype=torch.bool)
-        visible = (torch.arange(n, device=query.device)[None, None, :] <= rows[:, :, None]) & valid[:, None, :]
-        if layer in self.bidirectional:  # every row sees every real key
-            visible = valid[:, None, :].expand(-1, rows.shape[1], -1)
+        rows, rows_valid, visible = self._prompt_rows(layer, num_rows, query.device)
         probs = attention_rows(query, key, rows, visible, scaling, upcast)
         self.captured[layer] = probs * rows_valid[:, None, :, None].to(probs.dtype)
         self.captured_rows_valid[layer] = rows_valid
+
+    def _prompt_rows(self, layer: int, num_rows: int | str, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+        """(rows [B, r] query slots, rows_valid [B, r], visible [B, r, n] keys each row may attend to) of the
+        current prompt: the last `num_rows` real slots, or every slot after the last visual token."""
+        valid = self.layout.valid.to(device)
+        bsz, n = valid.shape
+        slot = torch.arange(n, device=device)[None].expand_as(valid)
+        last = torch.where(valid, slot, -1).max(dim=1).values
+        if num_rows == "after_visual":
+            visual = (self.layout.visual & self.layout.valid).to(device)
+            first = torch.where(visual, slot, -1).max(dim=1).values + 1  # the slot after the last visual token
+            counts = (last - first + 1).clamp(min=1)
+            width = int(counts.max())
+            offsets = torch.arange(width, device=device)[None]
+            rows_valid = offsets < counts[:, None]
+            rows = torch.minimum(first[:, None] + offsets, last[:, None])
+        else:
+            rows = (last[:, None] - torch.arange(num_rows - 1, -1, -1, device=device)[None]).clamp(min=0)
+            rows_valid = torch.ones_like(rows, dtype=torch.bool)
+        visible = (torch.arange(n, device=device)[None, None, :] <= rows[:, :, None]) & valid[:, None, :]
+        if layer in self.bidirectional:  # every row sees every real key
+            visible = valid[:, None, :].expand(-1, rows.shape[1], -1)
+        return rows, rows_valid, visible
+
+    def attention_at_start(self, num_rows: int | str, upcast: bool) -> Tensor:
+        """`LLMState.attention_at_start`: the layer's attention rows from the stream entering it, with the RoPE rows
+        of the current slots, before the layer runs."""
+        module = self.layers[self.layer]
+        attn = module.self_attn
+        cos_sin = self.cos_sin if self.altered else self.full_cos_sin
+        if cos_sin is None:
+            raise RuntimeError("attention_at_start needs the layer's rotary embedding (position_embeddings)")
+        device = self.hidden.device
+        rows, rows_valid, visible = self._prompt_rows(self.layer, num_rows, device)
+        query, key = self.projections(rows)  # [B, H, r, d], [B, Hkv, n, d], before RoPE
+        rotate = sys.modules[type(attn).__module__].apply_rotary_pos_emb  # how this attention module rotates
+        cos, sin = (t.to(device) for t in cos_sin)
+        if cos.shape[0] != rows.shape[0]:  # RoPE tables shared across the batch
+            cos, sin = cos.expand(rows.shape[0], -1, -1), sin.expand(rows.shape[0], -1, -1)
+        index = rows[..., None].expand(-1, -1, cos.shape[-1])
+        with torch.no_grad():
+            query = rotate(query, query, torch.gather(cos, 1, index), torch.gather(sin, 1, index))[0]
+            key = rotate(key, key, cos, sin)[1]
+            picked = torch.arange(rows.shape[1], device=device)[None].expand_as(rows)
+            scaling = getattr(attn, "scaling", attn.head_dim**-0.5)
+            probs = attention_rows(query, key, picked, visible, scaling, upcast)
+        return probs * rows_valid[:, None, :, None].to(probs.dtype)
