@@ -89,10 +89,14 @@ def test_servable_methods_are_the_connect_methods_with_a_fixed_count():
         "fastvid",
         "holitom-outer",
         "mssavt",
+        "omnidelta",
+        "prumerge-plus",
         "random",
         "streamingtom-ctr",
+        "sttm-connect",
         "vidcom2",
         "visionzip",
+        "vispruner",
     ]
 
 
