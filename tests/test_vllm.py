@@ -252,27 +252,40 @@ def test_retention_1_is_stock_vllm_bit_for_bit(engines):
 
 
 def test_each_video_is_compressed_to_its_own_count_and_keeps_its_positions(engines):
-    """At 0.25, every video of a prompt keeps its own `retained_count`, the image passes whole, and on the M-RoPE
-    families each survivor keeps its stock (t, h, w) while the text between and after the media keeps its own."""
+    """At 0.25, every video of a prompt keeps its own `retained_count`, and so does an image on the families whose
+    images vtc compresses on vLLM (Qwen2-VL, Qwen2.5-VL: the image pipeline's count; elsewhere it passes whole);
+    on the M-RoPE families each survivor keeps its stock (t, h, w) while the text between and after the media
+    keeps its own."""
     config = {"methods": "vidcom2", "retention": 0.25}
     reconfigure(engines.llm, config)
     pipeline = ServeConfig.from_dict(config).pipeline(engines.family)
     hf_config = engines.llm.llm_engine.model_config.hf_config
     video_token = getattr(hf_config, "video_token_id", getattr(hf_config, "video_token_index", None))
+    images_compressed = engines.family in ("qwen2_vl", "qwen2_5_vl")
     for name, request in engines.requests.items():
         clear_caches(engines.llm)  # every video of the prompt is compressed here, none comes from the cache
         vllm_models.LAST_KEPT.clear()
+        vllm_models.LAST_KEPT_IMAGES.clear()
         got, stock = answer(engines.llm, request, max_tokens=1), engines.stock[name]
-        kept = list(vllm_models.LAST_KEPT)
+        kept, kept_images = list(vllm_models.LAST_KEPT), list(vllm_models.LAST_KEPT_IMAGES)
         assert len(kept) == (2 if name == "two videos" else 1), name
+        assert len(kept_images) == (1 if name == "video, image" and images_compressed else 0), name
         grids = [k["grid"] for k in kept]
         counts = [len(k["cells"]) for k in kept]
         assert counts == [pipeline.retained_count(g) for g in grids], name
         assert all(c < g[0] * g[1] * g[2] for c, g in zip(counts, grids)), name
-        assert len(got.prompt) == expected_prompt_length(len(stock.prompt), grids, counts), name
+        image_grids = [k["grid"] for k in kept_images]
+        image_counts = [len(k["cells"]) for k in kept_images]
+        assert image_counts == [pipeline.for_images().retained_count(g) for g in image_grids], name
+        expected = expected_prompt_length(len(stock.prompt), grids + image_grids, counts + image_counts)
+        assert len(got.prompt) == expected, name
         if engines.family in QWEN:
             slots = video_slots(stock.prompt, video_token, [t * h * w for t, h, w in grids])
-            assert_positions_kept(stock.positions, got.positions, slots, [k["cells"] for k in kept], len(got.prompt))
+            cells = [k["cells"] for k in kept]
+            if kept_images:
+                slots += video_slots(stock.prompt, hf_config.image_token_id, [t * h * w for t, h, w in image_grids])
+                cells += [k["cells"] for k in kept_images]
+            assert_positions_kept(stock.positions, got.positions, slots, cells, len(got.prompt))
 
 
 def test_every_serving_method_sizes_the_prompt_to_its_count(engines):

@@ -240,6 +240,7 @@ def cmd_serve(args, console: Console) -> int:
         vllm_args=args.vllm_args,
         request_settings=not args.no_request_settings,
         retention_range=args.retention_range,
+        images=not args.no_images,
     )
 
 
@@ -446,6 +447,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-request-settings",
         action="store_true",
         help='refuse per-request settings (mm_processor_kwargs={"vtc": {...}}) with HTTP 400',
+    )
+    serve.add_argument(
+        "--no-images",
+        action="store_true",
+        help="let images reach the LLM whole (default: Qwen2-VL / Qwen2.5-VL servers compress each image too)",
     )
     serve.add_argument(
         "--retention-range",

@@ -77,6 +77,7 @@ def serve(
     vllm_args: list[str] | None = None,
     request_settings: bool = True,
     retention_range: tuple[float, float] = (0.0, 1.0),
+    images: bool = True,
 ) -> int:
     config = ServeConfig.from_dict(
         {
@@ -86,6 +87,7 @@ def serve(
             "seed": seed,
             "request_settings": request_settings,
             "retention_range": list(retention_range),
+            "images": images,
         }
     )
     local = local_config(model)

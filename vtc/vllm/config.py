@@ -28,7 +28,7 @@ from vtc.core.registry import registry
 
 KEY = "vtc"  # additional_config[KEY], and a request's mm_processor_kwargs[KEY]
 CONFIG_ATTR = "vtc_serving"  # the checked config, on the HF config (see vtc.vllm.plugin)
-FIELDS = ("methods", "retention", "params", "seed", "request_settings", "retention_range")
+FIELDS = ("methods", "retention", "params", "seed", "request_settings", "retention_range", "images")
 REQUEST_FIELDS = ("retention", "params", "seed")  # what one request may set (mm_processor_kwargs["vtc"])
 QUESTION = "question"  # a request may also name the question a sampler reads (any server, with any settings)
 
@@ -251,7 +251,9 @@ class ServeConfig:
     LLM sees. params: method parameters (`field` or `method.field`), as for `vtc.patch`. seed: the seed of every
     random choice (the same video always gets the same tokens). request_settings: whether a request may override
     retention, params or seed for itself (`mm_processor_kwargs={"vtc": {...}}`); retention_range: the
-    [low, high] a request's retention must lie in."""
+    [low, high] a request's retention must lie in. images: compress images too (default; the Qwen2-VL and
+    Qwen2.5-VL servers: each image through the methods that take one image, `Pipeline.for_images`), or let them
+    reach the LLM whole (false)."""
 
     methods: str
     retention: float | None = None
@@ -259,6 +261,7 @@ class ServeConfig:
     seed: int = 0
     request_settings: bool = True
     retention_range: tuple[float, float] = (0.0, 1.0)
+    images: bool = True
 
     @classmethod
     def from_dict(cls, raw: Any) -> "ServeConfig":
@@ -284,6 +287,9 @@ class ServeConfig:
         allowed = raw.get("request_settings", True)
         if not isinstance(allowed, bool):
             raise ValueError(f'"request_settings" must be true or false; got {allowed!r}')
+        images = raw.get("images", True)
+        if not isinstance(images, bool):
+            raise ValueError(f'"images" must be true (compress images) or false (let them reach the LLM whole); got {images!r}')
         config = cls(
             "+".join(parse_spec(methods)),
             validate_retention(raw.get("retention")),
@@ -291,6 +297,7 @@ class ServeConfig:
             seed,
             allowed,
             _check_range(raw.get("retention_range", (0.0, 1.0))),
+            images,
         )
         config.check_methods()
         return config
@@ -303,6 +310,8 @@ class ServeConfig:
             out["request_settings"] = False
         if tuple(self.retention_range) != (0.0, 1.0):
             out["retention_range"] = list(self.retention_range)
+        if not self.images:
+            out["images"] = False
         return out
 
     def for_request(self, raw: Any) -> "ServeConfig":

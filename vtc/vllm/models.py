@@ -95,6 +95,8 @@ Tensor = torch.Tensor
 logger = init_logger("vllm.vtc")  # under vLLM's logger, so `vllm serve` shows it at INFO
 LAST_KEPT: list[dict[str, Any]] = []  # the grid cells each video kept, newest last (tests and debugging)
 SETTINGS_FIELD = "vtc_settings"  # per-video multimodal field: the request's own vtc settings, as JSON bytes
+IMAGE_SETTINGS_FIELD = "vtc_image_settings"  # the same, per image (the families whose images vtc compresses)
+LAST_KEPT_IMAGES: list[dict[str, Any]] = []  # the grid cells each image kept, newest last (tests and debugging)
 
 
 # --- configs: the server's, and one request's -------------------------------------------------------------------
@@ -215,6 +217,60 @@ class Serving:
 
     def config_of(self, index: int) -> ServeConfig:
         return self._configs[index] if index < len(self._configs) else self.config
+
+    # --- images (the families whose images vtc compresses) -------------------------------------------------------
+    def begin_images(self, settings: Any) -> None:
+        """The settings of each image of this `embed_multimodal` call (`vtc_image_settings`; absent: the server's)."""
+        rows = [] if settings is None else list(settings)
+        self._image_configs = [request_config(self.config, decode_settings(row)) for row in rows]
+        self._image_vision = []
+
+    def image_pipeline_of(self, index: int) -> Pipeline | None:
+        configs = getattr(self, "_image_configs", [])
+        return image_pipeline(configs[index] if index < len(configs) else self.config, self.family)
+
+    def encode_images(self, run, grids: list[tuple[int, int, int]], grid_thw: Tensor):
+        """Run the vision encoder on this call's images (`run()`), capturing what their connect methods read."""
+        pipelines = [p for p in (self.image_pipeline_of(k) for k in range(len(grids))) if p is not None]
+        capture = self.stats_capture(*pipelines) if pipelines and self.encodes else None
+        self._image_vision = [{} for _ in grids]
+        if capture is None:
+            return run()
+        with capture.capturing(grid_thw, sum(g[0] for g in grids)):
+            out = run()
+        self._image_vision = capture.per_video(grids)
+        return out
+
+    def compress_image(self, embeds: Tensor, grid: tuple[int, int, int], index: int) -> tuple[Tensor, Tensor]:
+        """Image `index` of this call through the image pipeline's connect methods -> (embeds, grid cells) of the
+        survivors, in the methods' order; every cell when images pass whole."""
+        pipeline = self.image_pipeline_of(index)
+        if pipeline is None:
+            return embeds, torch.arange(embeds.shape[0])
+        configs = getattr(self, "_image_configs", [])
+        config = configs[index] if index < len(configs) else self.config
+        vision = self._image_vision[index] if index < len(self._image_vision) else {}
+        ctx = Context(
+            retention=pipeline.retention,
+            family=self.family,
+            geometry=self.geometry,
+            video_index=index,
+            media="image",
+            generator=torch.Generator(device="cpu").manual_seed(config.seed),
+            vision=vision,
+        )
+        pipeline.begin_prompt()
+        _, out = connect_video(pipeline, embeds, grid, ctx)
+        promised = pipeline.retained_count(grid)
+        if promised is not None and promised != len(out):
+            raise RuntimeError(
+                f"vtc: {pipeline.spec!r} promised {promised} tokens for an image with grid {grid} but kept {len(out)}; "
+                f"the prompt was sized for {promised}"
+            )
+        embeds_out, cells, _ = _same_on_every_rank(out.embeds, grid_cells(out), out.extras)
+        LAST_KEPT_IMAGES.append({"family": self.family, "grid": grid, "cells": torch.sort(cells).values.cpu()})
+        del LAST_KEPT_IMAGES[:-64]
+        return embeds_out.to(embeds.dtype), cells
 
     def kept_of(self, index: int, grid: tuple[int, int, int]) -> Tensor | None:
         """The units video `index` of this call keeps before the tower; None when it keeps all of them."""
@@ -622,9 +678,14 @@ class _VtcProcessor:
             return inputs
         settings = self._checked_settings(server, request)
         videos = mm_items.get_count("video", strict=False)
-        if not videos:
+        images = mm_items.get_count("image", strict=False) if self.compresses_images else 0
+        if not videos and not images:
             return inputs
-        passthrough = {**inputs.passthrough_data, SETTINGS_FIELD: [encode_settings(settings)] * videos}
+        passthrough = dict(inputs.passthrough_data)
+        if videos:
+            passthrough[SETTINGS_FIELD] = [encode_settings(settings)] * videos
+        if images:
+            passthrough[IMAGE_SETTINGS_FIELD] = [encode_settings(settings)] * images
         return inputs._replace(passthrough_data=passthrough)
 
     def _checked_settings(self, server: ServeConfig, request: Any) -> dict[str, Any]:
@@ -649,6 +710,8 @@ class _VtcProcessor:
         for name in (SETTINGS_FIELD, KEPT_FIELD):
             if name in hf_inputs:
                 fields[name] = MultiModalFieldConfig.batched("video", keep_on_cpu=True)
+        if IMAGE_SETTINGS_FIELD in hf_inputs:
+            fields[IMAGE_SETTINGS_FIELD] = MultiModalFieldConfig.batched("image", keep_on_cpu=True)
         return fields
 
     # --- the encode stage (vtc.vllm.encode) ---------------------------------------------------------------------
@@ -711,9 +774,11 @@ class _VtcProcessor:
 
     def _get_prompt_updates(self, mm_items, hf_processor_mm_kwargs, out_mm_kwargs):
         updates = super()._get_prompt_updates(mm_items, _without_vtc(hf_processor_mm_kwargs), out_mm_kwargs)
-        if server_config(self.info.get_hf_config()) is None:
+        server = server_config(self.info.get_hf_config())
+        if server is None:
             return updates
-        _warn_uncompressed_images(mm_items.get_count("image", strict=False))
+        if not self.compresses_images:
+            _warn_uncompressed_images(mm_items.get_count("image", strict=False))
         out = []
         for update in updates:
             if isinstance(update, PromptReplacement) and update.modality == "video":
@@ -724,11 +789,41 @@ class _VtcProcessor:
                     return self._video_replacement(item_idx, original, self._item_pipeline(item), item, mm_items)
 
                 update = PromptReplacement(modality="video", target=update.target, replacement=replacement)
+            elif isinstance(update, PromptReplacement) and update.modality == "image" and self.compresses_images:
+                original_image = update.replacement
+
+                def image_replacement(item_idx: int, original=original_image):
+                    item = out_mm_kwargs["image"][item_idx]
+                    pipeline = image_pipeline(request_config(server, _item_settings(item, IMAGE_SETTINGS_FIELD)), self.family)
+                    return original(item_idx) if pipeline is None else self._image_replacement(item_idx, original, pipeline, item)
+
+                update = PromptReplacement(modality="image", target=update.target, replacement=image_replacement)
             out.append(update)
         return out
 
+    compresses_images = False  # the family's images go through the image pipeline (else they pass whole)
+
+    def _image_replacement(self, item_idx: int, original, pipeline: Pipeline, item):
+        raise NotImplementedError
+
     def _video_replacement(self, item_idx: int, original, pipeline: Pipeline, item, mm_items):
         raise NotImplementedError
+
+
+def _item_settings(item, field: str) -> dict[str, Any]:
+    """A media item's own vtc settings (absent: the server's)."""
+    return decode_settings(item[field].data) if field in item else {}
+
+
+def image_pipeline(config: ServeConfig, family: str) -> Pipeline | None:
+    """The pipeline an image runs with under `config` (None: images pass whole, `"images": false`); a spec that
+    cannot reduce an image raises the ValueError that names why (vLLM answers it with HTTP 400)."""
+    if not config.images:
+        return None
+    try:
+        return config_pipeline(config, family).for_images()
+    except ValueError as err:
+        raise ValueError(f'{err} (a server: start it with "images": false in the vtc config)') from None
 
 
 def _without_vtc(kwargs):
@@ -751,7 +846,21 @@ def _warn_uncompressed_images(count: int) -> None:
 
 
 class _QwenProcessor(_VtcProcessor):
-    """Qwen2-VL and Qwen2.5-VL: `retained_count(grid)` video placeholders."""
+    """Qwen2-VL and Qwen2.5-VL: `retained_count(grid)` video placeholders, and the image pipeline's count of image
+    placeholders."""
+
+    compresses_images = True
+
+    def _image_replacement(self, item_idx, original, pipeline, item):
+        merge = self.info.get_hf_config().vision_config.spatial_merge_size
+        grid = _qwen_grid(item["image_grid_thw"].data.tolist(), merge)
+        count = pipeline.retained_count(grid)
+        if count is None:
+            raise ValueError(
+                f"{pipeline.spec!r} has no fixed count for an image of grid {grid}; a server sizes the prompt before "
+                'the image is encoded: use a fixed-count method, or start the server with "images": false'
+            )
+        return [original(item_idx)[0]] * count
 
     def _video_replacement(self, item_idx, original, pipeline, item, mm_items):
         merge = self.info.get_hf_config().vision_config.spatial_merge_size
@@ -824,8 +933,10 @@ class _ServingModel:
     def embed_multimodal(self, **kwargs: object):
         settings = kwargs.pop(SETTINGS_FIELD, None)
         kept = kwargs.pop(KEPT_FIELD, None)
+        image_settings = kwargs.pop(IMAGE_SETTINGS_FIELD, None)
         if self.vtc is not None:
             self.vtc.begin_call(settings, kept)
+            self.vtc.begin_images(image_settings)
         return super().embed_multimodal(**kwargs)
 
 
@@ -884,14 +995,23 @@ class _MRopeServing(_ServingModel):
         rate = getattr(self.config.vision_config, "tokens_per_second", 1.0)
         return (1.0 if seconds is None else float(seconds)) * rate
 
-    # images pass uncompressed, with their positions --------------------------------------------------------------
+    # images: through the image pipeline (Qwen2-VL, Qwen2.5-VL), or whole (Qwen3-VL), with their positions -------
+    compresses_images = False
+
     def _process_image_input(self, image_input):
-        images = super()._process_image_input(image_input)
+        run = functools.partial(super()._process_image_input, image_input)
         if self.vtc is None:
-            return images
+            return run()
         merge = self.visual.spatial_merge_size
-        grids = [_qwen_grid(size, merge) for size in image_input["image_grid_thw"].tolist()]
-        return tuple(append_positions(emb, grid_positions(grid)) for emb, grid in zip(images, grids))
+        grid_thw = image_input["image_grid_thw"]
+        grids = [_qwen_grid(size, merge) for size in grid_thw.tolist()]
+        if not self.compresses_images:
+            return tuple(append_positions(emb, grid_positions(grid)) for emb, grid in zip(run(), grids))
+        out = []
+        for k, (emb, grid) in enumerate(zip(self.vtc.encode_images(run, grids, grid_thw), grids)):
+            kept, cells = self.vtc.compress_image(emb, grid, k)
+            out.append(append_positions(kept, grid_positions(grid)[cells.cpu()]))
+        return tuple(out)
 
     def _postprocess_image_embeds_evs(self, image_embeds_split, image_input):
         if self.vtc is None:
@@ -907,7 +1027,10 @@ class _MRopeServing(_ServingModel):
 
 
 class _QwenServing(_MRopeServing):
-    """Qwen2-VL and Qwen2.5-VL: a video is one grid; its survivors carry their cells' stock positions."""
+    """Qwen2-VL and Qwen2.5-VL: a video is one grid, an image a grid of one frame; survivors carry their cells'
+    stock positions."""
+
+    compresses_images = True
 
     def _process_video_input(self, video_input):
         run = functools.partial(super()._process_video_input, video_input)

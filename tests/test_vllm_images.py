@@ -1,0 +1,95 @@
+"""Images on vLLM (Qwen2.5-VL; Qwen2-VL shares the code; tests/test_vllm.py runs a video + image prompt on every
+family): an image request and an image + video request at retention 1.0 are stock vLLM bit for bit; at 0.25 the
+prompt is the text plus each item's count (the image pipeline's for the image); a spec that cannot reduce an image
+is answered with the reason (vLLM's 4xx on a server), and "images": false lets images through whole."""
+
+from __future__ import annotations
+
+import pytest
+from PIL import Image
+
+from vtc.media.inputs import build_messages
+from vtc.media.video import synthetic_video
+from vtc.testing import tiny
+from vtc.testing.serving import clear_caches, engine, reconfigure, shutdown, video_request
+from vtc.vllm import models as vllm_models
+from vtc.vllm.config import ServeConfig
+
+FAMILY = "qwen2_5_vl"
+OPTIONS = dict(limit_mm_per_prompt={"video": 1, "image": 2}, max_num_batched_tokens=256)
+
+
+def picture(seed: int = 3) -> Image.Image:
+    return Image.fromarray(synthetic_video(1, 112, 140, seed=seed)[0])
+
+
+def image_request(tokenizer, images: list) -> dict:
+    chat = build_messages("What is in the picture?", videos=0, images=len(images))
+    prompt = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    return {"prompt": prompt, "multi_modal_data": {"image": images[0] if len(images) == 1 else images}}
+
+
+def answer(llm, request):
+    from vllm import SamplingParams
+
+    out = llm.generate([request], SamplingParams(max_tokens=2, temperature=0.0, logprobs=5), use_tqdm=False)[0]
+    first = out.outputs[0]
+    return list(out.prompt_token_ids), {t: v.logprob for t, v in first.logprobs[0].items()}, list(first.token_ids)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    path = tiny.save(FAMILY, str(tmp_path_factory.mktemp("vllm-images") / FAMILY))
+    stock = engine(path, **OPTIONS)
+    tokenizer = stock.get_tokenizer()
+    requests = {
+        "one image": image_request(tokenizer, [picture()]),
+        "two images": image_request(tokenizer, [picture(), picture(4)]),
+        "video, image": video_request(tokenizer, synthetic_video(8, 224, 224, seed=0), "What?", images=[picture()]),
+    }
+    answers = {name: answer(stock, r) for name, r in requests.items()}
+    shutdown(stock)
+    llm = engine(path, vtc={"methods": "random", "retention": 1.0}, **OPTIONS)
+    try:
+        yield llm, requests, answers
+    finally:
+        shutdown(llm)
+
+
+def test_images_at_retention_1_are_stock_vllm(served):
+    llm, requests, stock = served
+    for name, request in requests.items():
+        assert answer(llm, request) == stock[name], name
+
+
+@pytest.mark.parametrize("spec", ["random", "divprune", "visionzip", "uniform+vidcom2"])
+def test_each_image_keeps_the_image_pipelines_count(served, spec):
+    """Each image keeps `Pipeline.for_images().retained_count(grid)` (under uniform+vidcom2 the sampler has no image
+    to act on: vidcom2 takes the image's whole 0.25), and the prompt is the text plus every item's count."""
+    llm, requests, stock = served
+    reconfigure(llm, {"methods": spec, "retention": 0.25})
+    pipeline = ServeConfig.from_dict({"methods": spec, "retention": 0.25}).pipeline(FAMILY)  # fixed counts forced
+    for name, request in requests.items():
+        clear_caches(llm)
+        vllm_models.LAST_KEPT.clear()
+        vllm_models.LAST_KEPT_IMAGES.clear()
+        prompt, _, _ = answer(llm, request)
+        images, videos = list(vllm_models.LAST_KEPT_IMAGES), list(vllm_models.LAST_KEPT)
+        assert len(images) == (2 if name == "two images" else 1) and len(videos) == (name == "video, image")
+        for kept in images:
+            t, h, w = kept["grid"]
+            assert t == 1 and len(kept["cells"]) == pipeline.for_images().retained_count(kept["grid"]) < h * w
+        items = images + videos
+        expected = len(stock[name][0]) - sum(k["grid"][0] * k["grid"][1] * k["grid"][2] for k in items)
+        assert len(prompt) == expected + sum(len(k["cells"]) for k in items), name
+
+
+def test_a_spec_that_cannot_reduce_an_image_is_refused_or_passes_images_whole(served):
+    llm, requests, stock = served
+    reconfigure(llm, {"methods": "dycoke-ttm", "retention": 0.5})
+    with pytest.raises(Exception, match=r"dycoke-ttm: needs time .*\"images\": false"):
+        answer(llm, requests["one image"])
+    reconfigure(llm, {"methods": "dycoke-ttm", "retention": 0.5, "images": False})
+    vllm_models.LAST_KEPT_IMAGES.clear()
+    assert answer(llm, requests["one image"]) == stock["one image"]
+    assert vllm_models.LAST_KEPT_IMAGES == []
