@@ -93,3 +93,11 @@ def test_a_spec_that_cannot_reduce_an_image_is_refused_or_passes_images_whole(se
     vllm_models.LAST_KEPT_IMAGES.clear()
     assert answer(llm, requests["one image"]) == stock["one image"]
     assert vllm_models.LAST_KEPT_IMAGES == []
+
+
+def test_more_images_than_the_server_allows_is_vllms_own_error(served):
+    """The engine allows two images per prompt (limit_mm_per_prompt): a third is refused by vLLM itself, before vtc."""
+    llm, _, _ = served
+    reconfigure(llm, {"methods": "random", "retention": 0.25})
+    with pytest.raises(Exception, match=r"At most 2 image"):
+        answer(llm, image_request(llm.get_tokenizer(), [picture(k) for k in range(3)]))
