@@ -253,7 +253,7 @@ def test_retention_1_is_stock_vllm_bit_for_bit(engines):
 
 def test_each_video_is_compressed_to_its_own_count_and_keeps_its_positions(engines):
     """At 0.25, every video of a prompt keeps its own `retained_count`, and so does an image on the families whose
-    images vtc compresses on vLLM (Qwen2-VL, Qwen2.5-VL: the image pipeline's count; elsewhere it passes whole);
+    images vtc compresses on vLLM (the Qwen families: the image pipeline's count; LLaVA-OneVision passes it whole);
     on the M-RoPE families each survivor keeps its stock (t, h, w) while the text between and after the media
     keeps its own."""
     config = {"methods": "vidcom2", "retention": 0.25}
@@ -261,7 +261,7 @@ def test_each_video_is_compressed_to_its_own_count_and_keeps_its_positions(engin
     pipeline = ServeConfig.from_dict(config).pipeline(engines.family)
     hf_config = engines.llm.llm_engine.model_config.hf_config
     video_token = getattr(hf_config, "video_token_id", getattr(hf_config, "video_token_index", None))
-    images_compressed = engines.family in ("qwen2_vl", "qwen2_5_vl")
+    images_compressed = engines.family in QWEN
     for name, request in engines.requests.items():
         clear_caches(engines.llm)  # every video of the prompt is compressed here, none comes from the cache
         vllm_models.LAST_KEPT.clear()

@@ -101,3 +101,20 @@ def test_more_images_than_the_server_allows_is_vllms_own_error(served):
     reconfigure(llm, {"methods": "random", "retention": 0.25})
     with pytest.raises(Exception, match=r"At most 2 image"):
         answer(llm, image_request(llm.get_tokenizer(), [picture(k) for k in range(3)]))
+
+
+def test_sttm_connect_compresses_a_video_once_for_every_question(served):
+    """STTM is query-agnostic: served as sttm-connect, a video asked about twice is compressed once (the encoder
+    cache holds its compressed embeddings), and the second prompt differs from the first only by its text."""
+    llm, _, _ = served
+    reconfigure(llm, {"methods": "sttm-connect", "retention": 0.25})
+    tokenizer = llm.get_tokenizer()
+    clip = synthetic_video(8, 224, 224, seed=7)
+    questions = ["What happens?", "Which colour is the square in the middle?"]
+    requests = [video_request(tokenizer, clip, q) for q in questions]
+    clear_caches(llm)
+    vllm_models.LAST_KEPT.clear()
+    first, again = (answer(llm, r)[0] for r in requests)
+    assert len(vllm_models.LAST_KEPT) == 1  # compressed once, reused for the second question
+    text = [len(tokenizer.encode(r["prompt"], add_special_tokens=False)) for r in requests]
+    assert len(again) - len(first) == text[1] - text[0]

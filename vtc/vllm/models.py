@@ -241,12 +241,14 @@ class Serving:
         self._image_vision = capture.per_video(grids)
         return out
 
-    def compress_image(self, embeds: Tensor, grid: tuple[int, int, int], index: int) -> tuple[Tensor, Tensor]:
-        """Image `index` of this call through the image pipeline's connect methods -> (embeds, grid cells) of the
-        survivors, in the methods' order; every cell when images pass whole."""
+    def compress_image(
+        self, embeds: Tensor, grid: tuple[int, int, int], index: int, extras: dict[str, Tensor] | None = None
+    ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        """Image `index` of this call through the image pipeline's connect methods -> (embeds, grid cells, extras)
+        of the survivors, in the methods' order; every cell when images pass whole."""
         pipeline = self.image_pipeline_of(index)
         if pipeline is None:
-            return embeds, torch.arange(embeds.shape[0])
+            return embeds, torch.arange(embeds.shape[0]), dict(extras or {})
         configs = getattr(self, "_image_configs", [])
         config = configs[index] if index < len(configs) else self.config
         vision = self._image_vision[index] if index < len(self._image_vision) else {}
@@ -260,17 +262,17 @@ class Serving:
             vision=vision,
         )
         pipeline.begin_prompt()
-        _, out = connect_video(pipeline, embeds, grid, ctx)
+        _, out = connect_video(pipeline, embeds, grid, ctx, extras=extras)
         promised = pipeline.retained_count(grid)
         if promised is not None and promised != len(out):
             raise RuntimeError(
                 f"vtc: {pipeline.spec!r} promised {promised} tokens for an image with grid {grid} but kept {len(out)}; "
                 f"the prompt was sized for {promised}"
             )
-        embeds_out, cells, _ = _same_on_every_rank(out.embeds, grid_cells(out), out.extras)
+        embeds_out, cells, extras_out = _same_on_every_rank(out.embeds, grid_cells(out), out.extras)
         LAST_KEPT_IMAGES.append({"family": self.family, "grid": grid, "cells": torch.sort(cells).values.cpu()})
         del LAST_KEPT_IMAGES[:-64]
-        return embeds_out.to(embeds.dtype), cells
+        return embeds_out.to(embeds.dtype), cells, extras_out
 
     def kept_of(self, index: int, grid: tuple[int, int, int]) -> Tensor | None:
         """The units video `index` of this call keeps before the tower; None when it keeps all of them."""
@@ -845,9 +847,8 @@ def _warn_uncompressed_images(count: int) -> None:
         )
 
 
-class _QwenProcessor(_VtcProcessor):
-    """Qwen2-VL and Qwen2.5-VL: `retained_count(grid)` video placeholders, and the image pipeline's count of image
-    placeholders."""
+class _QwenImages:
+    """The Qwen processors' images: one run of `<|image_pad|>` of grid (1, H, W), sized to the image pipeline's count."""
 
     compresses_images = True
 
@@ -862,13 +863,18 @@ class _QwenProcessor(_VtcProcessor):
             )
         return [original(item_idx)[0]] * count
 
+
+class _QwenProcessor(_QwenImages, _VtcProcessor):
+    """Qwen2-VL and Qwen2.5-VL: `retained_count(grid)` video placeholders, and the image pipeline's count of image
+    placeholders."""
+
     def _video_replacement(self, item_idx, original, pipeline, item, mm_items):
         merge = self.info.get_hf_config().vision_config.spatial_merge_size
         grid = _qwen_grid(item["video_grid_thw"].data.tolist(), merge)
         return [original(item_idx)[0]] * self._item_count(pipeline, item, grid)
 
 
-class _Qwen3Processor(_VtcProcessor):
+class _Qwen3Processor(_QwenImages, _VtcProcessor):
     """Qwen3-VL: the whole per-video span (timestamps, frame markers, video tokens) is filled by the model, which
     knows how many tokens each frame kept (vLLM's own pruning layout); only its length is fixed here. The count is
     spread evenly over the frames, so at retention 1.0 the prompt's token ids are stock vLLM's. After an encode
@@ -1009,9 +1015,13 @@ class _MRopeServing(_ServingModel):
             return tuple(append_positions(emb, grid_positions(grid)) for emb, grid in zip(run(), grids))
         out = []
         for k, (emb, grid) in enumerate(zip(self.vtc.encode_images(run, grids, grid_thw), grids)):
-            kept, cells = self.vtc.compress_image(emb, grid, k)
+            kept, cells = self._compress_image(emb, grid, k)
             out.append(append_positions(kept, grid_positions(grid)[cells.cpu()]))
         return tuple(out)
+
+    def _compress_image(self, emb: Tensor, grid: tuple[int, int, int], index: int) -> tuple[Tensor, Tensor]:
+        kept, cells, _ = self.vtc.compress_image(emb, grid, index)
+        return kept, cells
 
     def _postprocess_image_embeds_evs(self, image_embeds_split, image_input):
         if self.vtc is None:
@@ -1100,6 +1110,15 @@ class VtcQwen3VL(_MRopeServing, Qwen3VLForConditionalGeneration):
     how many tokens each frame kept (vLLM's own pruning layout), in the order vtc's HF backend uses."""
 
     family = "qwen3_vl"
+    compresses_images = True
+
+    def _compress_image(self, emb: Tensor, grid: tuple[int, int, int], index: int) -> tuple[Tensor, Tensor]:
+        """The image's DeepStack levels ride in its embeddings' last columns: the methods see the main features,
+        the levels follow the survivors (as a video's do)."""
+        main, deepstack = emb[:, : self.visual_dim], emb[:, self.visual_dim :]
+        side = {"deepstack": deepstack} if deepstack.shape[1] else None
+        kept, cells, extras = self.vtc.compress_image(main, grid, index, side)
+        return (torch.cat([kept, extras["deepstack"].to(kept.dtype)], dim=1) if side else kept), cells
 
     def _media_extent(self, feature, input_tokens) -> int:
         if feature.modality == "image":
