@@ -33,7 +33,7 @@ def fastv_keep(
     if item is None:
         item = torch.zeros_like(candidates, dtype=torch.long)
     pool = torch.nonzero(candidates.flatten()).flatten()  # row after row, item after item: one segment each
-    segment = (torch.arange(candidates.shape[0], device=candidates.device)[:, None] * (int(item.max()) + 2) + item + 1)
+    segment = torch.arange(candidates.shape[0], device=candidates.device)[:, None] * (int(item.max()) + 2) + item + 1
     segment = segment.flatten()[pool]
     order = torch.argsort(segment, stable=True)
     pool = pool[order]

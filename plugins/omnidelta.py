@@ -28,8 +28,8 @@ import torch.nn.functional as F
 
 import vtc
 from vtc.core.tokens import frame_groups
-from vtc_plugins.vidcom2 import ALPHAS, gaussian_scores, low_variance_channels
 from vtc_kernels.select import segmented_topk
+from vtc_plugins.vidcom2 import ALPHAS, gaussian_scores, low_variance_channels
 
 Tensor = torch.Tensor
 
@@ -124,8 +124,12 @@ def omnidelta_keep(
 class OmniDelta(vtc.TokenSelector):
     """Intra-modal budget allocation over frames, then VidCom²'s token score per frame (spec: from-abstracts §6)."""
 
-    rho: float | None = vtc.param(None, range="(0, 1]", doc="rho: fraction of the item's tokens kept; default retention, else 0.25")
-    channel_ratio: float = vtc.param(0.5, range="(0, 1]", doc="VidCom²'s pruner: fraction of low-variance channels scored")
+    rho: float | None = vtc.param(
+        None, range="(0, 1]", doc="rho: fraction of the item's tokens kept; default retention, else 0.25"
+    )
+    channel_ratio: float = vtc.param(
+        0.5, range="(0, 1]", doc="VidCom²'s pruner: fraction of low-variance channels scored"
+    )
 
     def fraction(self) -> float:
         if self.rho is not None:

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 import vtc
 from vtc.core.bases import fraction_count
 from vtc.core.geometry import FamilyGeometry, default_geometry
+from vtc.core.tokens import prepool_blocks
 from vtc.core.vision_stats import VisionStat
 
 Tensor = torch.Tensor
@@ -203,24 +204,6 @@ def token_attention(values: Tensor, geometry: FamilyGeometry, size: tuple[int, i
         total = torch.ones(row.shape[0], 1, device=row.device)
     pooled = geometry.to_token_grid(row, size)
     return pooled / pooled.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) * total
-
-
-def prepool_blocks(tokens, ctx) -> Tensor | None:
-    """Per token, its s x s block of tower features before a pooler that precedes the projector (LLaVA-NeXT-Video's
-    CLIP features, [N, s, s, D_vision]), when the tokens are the untouched pooled grid; else None (merge the LLM
-    tokens instead)."""
-    geometry, prepool = ctx.geometry, ctx.prepool
-    if geometry is None or not geometry.pool_before_projector or prepool is None or ctx.pool is None:
-        return None
-    t, h, w = tokens.grid
-    if len(tokens) != t * h * w or bool((tokens.weight != 1).any()):
-        return None
-    frames, side, _, dim = prepool.shape
-    s = side // h
-    if frames != t or side != s * h or prepool.shape[2] != s * w:
-        return None
-    blocks = prepool.reshape(t, h, s, w, s, dim).permute(0, 1, 3, 2, 4, 5).reshape(t * h * w, s, s, dim)
-    return blocks.to(tokens.embeds.device)[tokens.frame * h * w + tokens.patch]
 
 
 # --- the method ---------------------------------------------------------------------------------------------------

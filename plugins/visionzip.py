@@ -27,6 +27,7 @@ import torch
 
 import vtc
 from vtc.core.geometry import FamilyGeometry, default_geometry
+from vtc.core.tokens import prepool_blocks
 from vtc.core.vision_stats import VisionStat
 from vtc_kernels.matching import best_match
 from vtc_kernels.merge import merge_into_anchors
@@ -224,18 +225,6 @@ class VisionZip(vtc.TokenMerger):
         return vtc.Merge(keep_idx, dst_idx, src_idx, weights, embeds=embeds)
 
     def _prepool_blocks(self, tokens, ctx) -> Tensor | None:
-        """Per token, its s x s block of tower features before a pooler that precedes the projector (LLaVA-NeXT-
-        Video's CLIP features, [N, s, s, D_vision]), when the tokens are the untouched pooled grid; else None
-        (merge the LLM tokens instead)."""
-        if not ctx.geometry.pool_before_projector or not self.merge_before_projector:
-            return None
-        prepool = ctx.prepool
-        t, h, w = tokens.grid
-        if prepool is None or ctx.pool is None or len(tokens) != t * h * w or bool((tokens.weight != 1).any()):
-            return None
-        frames, side, _, dim = prepool.shape
-        s = side // h
-        if frames != t or side != s * h or prepool.shape[2] != s * w:
-            return None
-        blocks = prepool.reshape(t, h, s, w, s, dim).permute(0, 1, 3, 2, 4, 5).reshape(t * h * w, s, s, dim)
-        return blocks.to(tokens.embeds.device)[tokens.frame * h * w + tokens.patch]
+        """Per token, its block of CLIP features before the pooler (`vtc.core.tokens.prepool_blocks`), when the
+        official CLIP merge applies; else None (merge the LLM tokens instead)."""
+        return prepool_blocks(tokens, ctx) if self.merge_before_projector else None

@@ -564,8 +564,8 @@ def test_last_layer_count_must_keep_the_promise(monkeypatch):
         assert handle.retained_count((4, 12, 12)) == 566
         with pytest.raises(
             RuntimeError,
-            match=r"'t_drop' promised 566 visual tokens for a video with grid \(4, 12, 12\) \(retained_count\) but "
-            r"the last LLM layer kept 567",
+            match=r"'t_drop' promised 566 visual tokens for an item \(video\) with grid \(4, 12, 12\) "
+            r"\(retained_count\) but the last LLM layer kept 567",
         ):
             logits(model, inputs)
 

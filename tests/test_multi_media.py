@@ -89,7 +89,9 @@ def test_several_media_in_one_prompt(family, monkeypatch):
         # every item's tokens beyond its promise are gone from the prompt
         length = inputs["input_ids"].shape[1] - stats.visual_tokens_in + sum(promised)
         if family in QWEN:
-            tokens = [model.config.image_token_id if i.kind == "image" else model.config.video_token_id for i in stats.items]
+            tokens = [
+                model.config.image_token_id if i.kind == "image" else model.config.video_token_id for i in stats.items
+            ]
             slots = [
                 slot
                 for token in dict.fromkeys(tokens)

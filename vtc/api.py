@@ -172,7 +172,9 @@ def patch(
     recorder = StatsRecorder()
     tokenizer = getattr(processor, "tokenizer", processor) if processor is not None else None
     if not isinstance(images, bool):
-        raise ValueError(f"images must be True (compress images) or False (let them reach the LLM whole), got {images!r}")
+        raise ValueError(
+            f"images must be True (compress images) or False (let them reach the LLM whole), got {images!r}"
+        )
     model_patch = ModelPatch(
         adapter,
         pipeline,

@@ -9,7 +9,6 @@ Everything a pipeline can refuse it refuses when it is built, before any model r
 from __future__ import annotations
 
 import copy
-
 import dataclasses
 import math
 import time

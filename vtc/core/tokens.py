@@ -443,3 +443,21 @@ class Context:
         appends its values under this method's name. Connect hooks report once per video, in video order."""
         for name, value in values.items():
             self.reports.setdefault(name, []).append(value)
+
+
+def prepool_blocks(tokens: VideoTokens, ctx: Context) -> Tensor | None:
+    """Per token, its s x s block of tower features before a pooler that precedes the projector (LLaVA-NeXT-Video's
+    CLIP features, [N, s, s, D_vision]), when the tokens are the untouched pooled grid; else None (merge the LLM
+    tokens instead)."""
+    geometry, prepool = ctx.geometry, ctx.prepool
+    if geometry is None or not geometry.pool_before_projector or prepool is None or ctx.pool is None:
+        return None
+    t, h, w = tokens.grid
+    if len(tokens) != t * h * w or bool((tokens.weight != 1).any()):
+        return None
+    frames, side, _, dim = prepool.shape
+    s = side // h
+    if frames != t or side != s * h or prepool.shape[2] != s * w:
+        return None
+    blocks = prepool.reshape(t, h, s, w, s, dim).permute(0, 1, 3, 2, 4, 5).reshape(t * h * w, s, s, dim)
+    return blocks.to(tokens.embeds.device)[tokens.frame * h * w + tokens.patch]

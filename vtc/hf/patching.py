@@ -349,8 +349,7 @@ class ModelPatch:
             promised = pipeline.retained_count(grid, self.adapter.family)
             if promised is not None and promised != count:
                 raise RuntimeError(
-                    f"{pipeline.spec!r} promised {promised} visual tokens for a{'n image' if kind == 'image' else ' video'} "
-                    f"with grid {grid} "
+                    f"{pipeline.spec!r} promised {promised} visual tokens for an item ({kind}) with grid {grid} "
                     f"(retained_count) but the last LLM layer kept {count}; a plugin breaks its retained_count"
                 )
 

@@ -5,7 +5,6 @@ Plain dictionaries, so a results file can be read back without lmms-eval or vtc'
 from __future__ import annotations
 
 import dataclasses
-
 from typing import Any, Iterable
 
 from vtc.core.stats import ForwardStats

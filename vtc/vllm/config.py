@@ -289,7 +289,9 @@ class ServeConfig:
             raise ValueError(f'"request_settings" must be true or false; got {allowed!r}')
         images = raw.get("images", True)
         if not isinstance(images, bool):
-            raise ValueError(f'"images" must be true (compress images) or false (let them reach the LLM whole); got {images!r}')
+            raise ValueError(
+                f'"images" must be true (compress images) or false (let them reach the LLM whole); got {images!r}'
+            )
         config = cls(
             "+".join(parse_spec(methods)),
             validate_retention(raw.get("retention")),

@@ -796,8 +796,14 @@ class _VtcProcessor:
 
                 def image_replacement(item_idx: int, original=original_image):
                     item = out_mm_kwargs["image"][item_idx]
-                    pipeline = image_pipeline(request_config(server, _item_settings(item, IMAGE_SETTINGS_FIELD)), self.family)
-                    return original(item_idx) if pipeline is None else self._image_replacement(item_idx, original, pipeline, item)
+                    pipeline = image_pipeline(
+                        request_config(server, _item_settings(item, IMAGE_SETTINGS_FIELD)), self.family
+                    )
+                    return (
+                        original(item_idx)
+                        if pipeline is None
+                        else self._image_replacement(item_idx, original, pipeline, item)
+                    )
 
                 update = PromptReplacement(modality="image", target=update.target, replacement=image_replacement)
             out.append(update)
@@ -848,7 +854,7 @@ def _warn_uncompressed_images(count: int) -> None:
 
 
 class _QwenImages:
-    """The Qwen processors' images: one run of `<|image_pad|>` of grid (1, H, W), sized to the image pipeline's count."""
+    """The Qwen processors' images: one run of `<|image_pad|>` of grid (1, H, W), sized by the image pipeline."""
 
     compresses_images = True
 

@@ -184,9 +184,7 @@ def contiguous_spans(
                 pos += length
                 video += 1
     if video != len(tokens_per_video):
-        raise ValueError(
-            f"{family}: {len(tokens_per_video)} {kind}s were passed but {video} were found in the prompt"
-        )
+        raise ValueError(f"{family}: {len(tokens_per_video)} {kind}s were passed but {video} were found in the prompt")
     return spans
 
 
@@ -428,7 +426,9 @@ class LlavaAdapter(Adapter):
                 pos = start
                 while pos < end:
                     if image >= len(layouts):
-                        raise ValueError(f"{self.family}: the prompt has more image tokens than the images passed produce")
+                        raise ValueError(
+                            f"{self.family}: the prompt has more image tokens than the images passed produce"
+                        )
                     layout = layouts[image]
                     if pos + layout.length > end:
                         raise ValueError(
@@ -437,8 +437,14 @@ class LlavaAdapter(Adapter):
                     base = layout.side * layout.side
                     spans.append(
                         VideoSpan(
-                            b, image, torch.arange(pos, pos + base, device=device), (1, layout.side, layout.side),
-                            torch.tensor([pos], device=device), kind="image", view="base", anyres=layout,
+                            b,
+                            image,
+                            torch.arange(pos, pos + base, device=device),
+                            (1, layout.side, layout.side),
+                            torch.tensor([pos], device=device),
+                            kind="image",
+                            view="base",
+                            anyres=layout,
                         )
                     )
                     if layout.rows:
@@ -446,8 +452,15 @@ class LlavaAdapter(Adapter):
                         seq = pos + base + cells // layout.cols * (layout.cols + 1) + cells % layout.cols
                         spans.append(
                             VideoSpan(
-                                b, image, seq, (1, layout.rows, layout.cols), seq[:1].clone(), kind="image",
-                                view="crops", in_place=True, anyres=layout,
+                                b,
+                                image,
+                                seq,
+                                (1, layout.rows, layout.cols),
+                                seq[:1].clone(),
+                                kind="image",
+                                view="crops",
+                                in_place=True,
+                                anyres=layout,
                             )
                         )
                     pos += layout.length
