@@ -90,10 +90,6 @@ def _prompt_order(span: VideoSpan) -> tuple[int, int]:
     return span.batch, int(span.seq_index.min())
 
 
-def _key(span: VideoSpan) -> tuple[str, int, str]:
-    return span.kind, span.video, span.view
-
-
 class ModelPatch:
     """All hooks for one (model, pipeline) pair."""
 
@@ -363,7 +359,7 @@ class ModelPatch:
     def _vision_stats(self, videos: list[VideoSpan], images: list[VideoSpan]) -> dict[tuple[str, int], dict]:
         """The vision-tower statistics of every compressed item, by (kind, index); empty without a capture."""
         if self.vision is None:
-            return {_key(s): {} for s in videos + images}
+            return {s.key: {} for s in videos + images}
         return self.vision.media_stats(videos, images)
 
     # --- prefill ---------------------------------------------------------------------------------------------------
@@ -411,7 +407,7 @@ class ModelPatch:
         changed = False
         for span in spans:
             is_video = span.kind == "video"
-            ctx = self._context(span, captured, mask).replace(video_index=span.video, vision=vision[_key(span)])
+            ctx = self._context(span, captured, mask).replace(video_index=span.video, vision=vision[span.key])
             ctx = ctx.replace(media=span.kind)
             if span.view == "crops":  # the crops' statistics come packed on their token grid (`pack_crops`)
                 ctx = ctx.replace(geometry=dataclasses.replace(ctx.geometry, patch_grid=None))
@@ -425,7 +421,7 @@ class ModelPatch:
             tokens, out = connect_video(pipeline, ctx=ctx, recorder=self.recorder, **inputs)
             changed |= out is not tokens  # plugins return their input untouched when they keep everything
             outputs.append(out)
-        out_of = {_key(span): len(out) for span, out in zip(spans, outputs)}
+        out_of = {span.key: len(out) for span, out in zip(spans, outputs)}
         stats.items = [
             MediaItem(
                 s.kind,
@@ -433,13 +429,13 @@ class ModelPatch:
                 s.batch,
                 s.grid,
                 s.num_tokens,
-                out_of.get(_key(s), s.num_tokens),
-                _key(s) in out_of,
+                out_of.get(s.key, s.num_tokens),
+                s.key in out_of,
                 s.view,
             )
             for s in sorted(videos + images, key=_prompt_order)
         ]
-        stats.llm_tokens_per_video = [out_of[_key(s)] for s in videos]
+        stats.llm_tokens_per_video = [out_of[s.key] for s in videos]
         stats.llm_tokens_in = sum(out_of.values())
         stats.visual_tokens_out = stats.llm_tokens_in
         self._final_counts = (lambda: [len(o) for o in outputs]) if self.runtime is None else self._layer_counts(spans)

@@ -101,10 +101,10 @@ class VisionCapture:
         out = {}
         if videos:
             per_video = self.adapter.vision_stats_per_video(self.calls, videos, self.layer_of)
-            out.update({(s.kind, s.video, s.view): stats for s, stats in zip(videos, per_video)})
+            out.update({s.key: stats for s, stats in zip(videos, per_video)})
         if images:
             per_image = self.adapter.vision_stats_per_image(self.calls, images, self.layer_of)
-            out.update({(s.kind, s.video, s.view): stats for s, stats in zip(images, per_image)})
+            out.update({s.key: stats for s, stats in zip(images, per_image)})
         self.calls.clear()
         return out
 

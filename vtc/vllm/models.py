@@ -173,6 +173,8 @@ class Serving:
         self._frame_tokens: list[TowerTokens | None] = []  # per video: what a SigLIP / CLIP tower's methods left
         self._tower_state: list[dict | None] = []  # per video: its methods' ctx.state once its tower ran
         self._vision: list[dict] = []
+        self._image_configs: list[ServeConfig] = []  # per image of this call (`begin_images`)
+        self._image_vision: list[dict] = []
         self._prepool: list[Tensor] | None = None
         self.served_model: ServedModel | None = None  # `ctx.model` of the connect methods that read the LM head
         if self.encodes:
@@ -218,6 +220,18 @@ class Serving:
     def config_of(self, index: int) -> ServeConfig:
         return self._configs[index] if index < len(self._configs) else self.config
 
+    def _context(self, pipeline: Pipeline, index: int, config: ServeConfig, **fields: Any) -> Context:
+        """The connect / tower context of item `index` of this call: its pipeline's retention, the family, and a
+        generator seeded with the item's own seed."""
+        return Context(
+            retention=pipeline.retention,
+            family=self.family,
+            geometry=self.geometry,
+            video_index=index,
+            generator=torch.Generator(device="cpu").manual_seed(config.seed),
+            **fields,
+        )
+
     # --- images (the families whose images vtc compresses) -------------------------------------------------------
     def begin_images(self, settings: Any) -> None:
         """The settings of each image of this `embed_multimodal` call (`vtc_image_settings`; absent: the server's)."""
@@ -225,9 +239,11 @@ class Serving:
         self._image_configs = [request_config(self.config, decode_settings(row)) for row in rows]
         self._image_vision = []
 
+    def image_config_of(self, index: int) -> ServeConfig:
+        return self._image_configs[index] if index < len(self._image_configs) else self.config
+
     def image_pipeline_of(self, index: int) -> Pipeline | None:
-        configs = getattr(self, "_image_configs", [])
-        return image_pipeline(configs[index] if index < len(configs) else self.config, self.family)
+        return image_pipeline(self.image_config_of(index), self.family)
 
     def encode_images(self, run, grids: list[tuple[int, int, int]], grid_thw: Tensor):
         """Run the vision encoder on this call's images (`run()`), capturing what their connect methods read."""
@@ -249,18 +265,8 @@ class Serving:
         pipeline = self.image_pipeline_of(index)
         if pipeline is None:
             return embeds, torch.arange(embeds.shape[0]), dict(extras or {})
-        configs = getattr(self, "_image_configs", [])
-        config = configs[index] if index < len(configs) else self.config
         vision = self._image_vision[index] if index < len(self._image_vision) else {}
-        ctx = Context(
-            retention=pipeline.retention,
-            family=self.family,
-            geometry=self.geometry,
-            video_index=index,
-            media="image",
-            generator=torch.Generator(device="cpu").manual_seed(config.seed),
-            vision=vision,
-        )
+        ctx = self._context(pipeline, index, self.image_config_of(index), media="image", vision=vision)
         pipeline.begin_prompt()
         _, out = connect_video(pipeline, embeds, grid, ctx, extras=extras)
         promised = pipeline.retained_count(grid)
@@ -310,16 +316,7 @@ class Serving:
         out: list[Tensor | None] = [None] * len(kept)
         for pipeline in dict.fromkeys(pipelines):  # in order of first appearance
             videos = [k for k, p in enumerate(pipelines) if p is pipeline]
-            ctxs = [
-                Context(
-                    retention=pipeline.retention,
-                    family=self.family,
-                    geometry=self.geometry,
-                    video_index=k,
-                    generator=torch.Generator(device="cpu").manual_seed(self.config_of(k).seed),
-                )
-                for k in videos
-            ]
+            ctxs = [self._context(pipeline, k, self.config_of(k)) for k in videos]
             pipeline.begin_prompt()
             visual.forward = functools.partial(tower.run, kept=[kept[k] for k in videos], pipeline=pipeline, ctxs=ctxs)
             try:  # through the module call, so hooks on the tower (timers, profilers) see it run
@@ -402,16 +399,7 @@ class Serving:
                     for k, feature in zip(videos, features):
                         out[k] = feature
                     continue
-                ctxs = [
-                    Context(
-                        retention=pipeline.retention,
-                        family=self.family,
-                        geometry=self.geometry,
-                        video_index=k,
-                        generator=torch.Generator(device="cpu").manual_seed(self.config_of(k).seed),
-                    )
-                    for k in videos
-                ]
+                ctxs = [self._context(pipeline, k, self.config_of(k)) for k in videos]
                 pipeline.begin_prompt()
                 features, _, run = frame_tower.run(
                     group, [frames[k] for k in videos], len(frame_tower.layers) - 1, pipeline, ctxs
@@ -487,14 +475,7 @@ class Serving:
         cover the whole grid; after an encode stage the connect methods see only the units it kept."""
         config = self.config_of(index)
         pipeline = config_pipeline(config, self.family)
-        ctx = Context(
-            retention=pipeline.retention,
-            family=self.family,
-            geometry=self.geometry,
-            video_index=index,
-            generator=torch.Generator(device="cpu").manual_seed(config.seed),
-            vision=self._vision[index] if index < len(self._vision) else {},
-        )
+        ctx = self._context(pipeline, index, config, vision=self._vision[index] if index < len(self._vision) else {})
         if self._prepool is not None:
             capture = self._prepool_of()
             ctx = ctx.replace(prepool=self._prepool[index], pool=capture.pool, project=capture.projection)

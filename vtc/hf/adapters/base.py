@@ -76,6 +76,11 @@ class VideoSpan:
     def num_tokens(self) -> int:
         return int(self.seq_index.numel())
 
+    @property
+    def key(self) -> tuple[str, int, str]:
+        """(kind, index, view): which item of the prompt the span is."""
+        return self.kind, self.video, self.view
+
     def frame_row_col(self) -> tuple[Tensor, Tensor, Tensor]:
         t, h, w = self.grid
         flat = torch.arange(t * h * w, device=self.seq_index.device)

@@ -159,20 +159,20 @@ class Qwen2VLAdapter(Adapter):
         }
 
     def video_spans(self, captured: CapturedInputs) -> list[VideoSpan]:
-        # each contiguous run is one video (contiguous_spans checks the counts against the grids)
-        segments = [[r] for r in video_runs(captured.input_ids, self.video_token_id)]
-        grids = qwen_grids(captured, self.spatial_merge, segments)
-        counts = [t * h * w for t, h, w in grids]
-        spans = contiguous_spans(captured.input_ids, self.video_token_id, counts, grids, self.family)
+        spans = self._run_spans(captured, self.video_token_id, "video")
         self._add_timestamps(spans, captured)
         return spans
 
     def image_spans(self, captured: CapturedInputs) -> list[VideoSpan]:
-        # one contiguous run of <|image_pad|> per image (Qwen3-VL too: an image is one segment), T = 1
-        segments = [[r] for r in video_runs(captured.input_ids, self.image_token_id)]
-        grids = qwen_grids(captured, self.spatial_merge, segments, kind="image")
+        # Qwen3-VL too: an image is one segment, T = 1
+        return self._run_spans(captured, self.image_token_id, "image")
+
+    def _run_spans(self, captured: CapturedInputs, token_id: int, kind: str) -> list[VideoSpan]:
+        """One item per contiguous run of `token_id` (contiguous_spans checks the counts against the grids)."""
+        segments = [[r] for r in video_runs(captured.input_ids, token_id)]
+        grids = qwen_grids(captured, self.spatial_merge, segments, kind=kind)
         counts = [t * h * w for t, h, w in grids]
-        return contiguous_spans(captured.input_ids, self.image_token_id, counts, grids, self.family, kind="image")
+        return contiguous_spans(captured.input_ids, token_id, counts, grids, self.family, kind=kind)
 
     def _add_timestamps(self, spans: list[VideoSpan], captured: CapturedInputs) -> None:
         """Qwen2-VL inputs carry no timing; Qwen2.5-VL overrides this."""
