@@ -507,6 +507,81 @@ def test_vllm_backend_through_lmms_eval_agrees_with_the_hf_backend(tmp_path):
     assert all(n == g[0] * g[1] * g[2] // 2 for g, n in kept)
 
 
+def test_lmms_evals_own_vllm_model_gets_the_frames_it_sends_as_images_compressed(saved):
+    """lmms-eval's `vllm` model (its chat version) sends a video's frames as images (OpenAI chat parts); with vtc's
+    additional_config each frame is an image the server compresses: on LLaVA-OneVision every view of every frame
+    keeps the image pipeline's count, and the answers come back."""
+    from vtc.testing.serving import CPU_ENV, shutdown
+
+    for name, value in CPU_ENV.items():
+        os.environ.setdefault(name, value)
+    from lmms_eval.evaluator import simple_evaluate
+    from lmms_eval.models import get_model
+    from lmms_eval.tasks import TaskManager
+
+    from vtc.vllm import models as served
+    from vtc.vllm.config import ServeConfig
+
+    manager = TaskManager(verbosity="ERROR", include_path=TASK_DIR)
+    config = '{"vtc": {"methods": "divprune", "retention": 0.25}}'
+    args = (
+        f"model={saved['llava_onevision']},additional_config={config},nframes=2,max_new_tokens=2,dtype=float32,"
+        "enforce_eager=True,max_model_len=8192,distributed_executor_backend=uni,kv_cache_memory_bytes=268435456,"
+        'limit_mm_per_prompt={"image": 2, "video": 0}'
+    )
+    served.LAST_KEPT_IMAGES.clear()
+    lm = get_model("vllm").create_from_arg_string(args, {})
+    assert not lm.is_simple  # the chat model: OpenAI messages, a video as its frames
+    try:
+        results = simple_evaluate(model=lm, tasks=[TASK], batch_size=1, limit=2, task_manager=manager)
+    finally:
+        shutdown(lm.client)
+    pipeline = ServeConfig.from_dict(json.loads(config)["vtc"]).pipeline("llava_onevision").for_images()
+    views = list(served.LAST_KEPT_IMAGES)
+    assert len(views) >= 4 and {v["view"] for v in views} == {"base", "crops"}  # 2 frames, 2 views each, per clip
+    assert all(len(v["cells"]) == pipeline.retained_count(v["grid"]) < math.prod(v["grid"]) for v in views)
+    assert len(results["samples"][TASK]) == 2
+
+
+def test_vllm_backend_of_the_vtc_model_compresses_an_image_document_view_by_view(saved):
+    """`--model vtc` with backend=vllm on an image document (LLaVA-OneVision): the server compresses each view of the
+    image to the image pipeline's count, and the record lists them (images=false: whole, with the note)."""
+    from PIL import Image
+
+    from vtc.lmms_eval.model import VtcModel
+
+    lm = VtcModel(
+        pretrained=saved["llava_onevision"],
+        methods="divprune",
+        retention=0.25,
+        backend="vllm",
+        vllm_args={"max_model_len": 4096, "limit_mm_per_prompt": {"image": 1, "video": 0}},
+    )
+    image = Image.new("RGB", (140, 112), (200, 30, 30))
+    messages = [{"role": "user", "content": [{"type": "image", "url": image}, {"type": "text", "text": "Colour?"}]}]
+    try:
+        _, record = lm.answer(messages, {"max_new_tokens": 2})
+        items = record["items"]
+        assert [(i["kind"], i["view"]) for i in items] == [("image", "base"), ("image", "crops")]
+        image_pipeline = lm.pipeline.for_images()
+        assert all(
+            i["compressed"] and i["tokens_out"] == image_pipeline.retained_count(tuple(i["grid"])) for i in items
+        )
+        dropped = sum(i["tokens_in"] - i["tokens_out"] for i in items)
+        assert record["llm_prompt_tokens"] == record["prompt_tokens"] - dropped > 0
+        assert record["visual_tokens_in"] == sum(i["tokens_in"] for i in items) and "note" not in record
+
+        lm.args.images = False
+        lm.configure("divprune", 0.25, {})
+        with pytest.warns(UserWarning, match=r"compresses nothing \(images=false\)"):
+            _, record = lm.answer(messages, {"max_new_tokens": 2})
+        assert record["note"].startswith("no video") and not any(i["compressed"] for i in record["items"])
+        assert record["llm_prompt_tokens"] == record["prompt_tokens"]
+    finally:
+        lm.keep_loaded = False
+        lm.clean()
+
+
 def test_vllm_backend_of_the_vtc_model_matches_the_hf_backend_document_by_document(saved, task_manager):
     """`--model vtc` with backend=vllm: the same frames and prompt to vLLM with vtc's serving config, on Qwen2.5-VL
     (where lmms-eval's own vllm_generate fails): per document the same grid, visual tokens in and out, and prompt

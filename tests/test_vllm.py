@@ -252,8 +252,8 @@ def test_retention_1_is_stock_vllm_bit_for_bit(engines):
 
 
 def test_each_video_is_compressed_to_its_own_count_and_keeps_its_positions(engines):
-    """At 0.25, every video of a prompt keeps its own `retained_count`, and so does an image on the families whose
-    images vtc compresses on vLLM (the Qwen families: the image pipeline's count; LLaVA-OneVision passes it whole);
+    """At 0.25, every video of a prompt keeps its own `retained_count`, and an image the image pipeline's count (each
+    view of a LLaVA-OneVision image its own);
     on the M-RoPE families each survivor keeps its stock (t, h, w) while the text between and after the media
     keeps its own."""
     config = {"methods": "vidcom2", "retention": 0.25}
@@ -261,7 +261,7 @@ def test_each_video_is_compressed_to_its_own_count_and_keeps_its_positions(engin
     pipeline = ServeConfig.from_dict(config).pipeline(engines.family)
     hf_config = engines.llm.llm_engine.model_config.hf_config
     video_token = getattr(hf_config, "video_token_id", getattr(hf_config, "video_token_index", None))
-    images_compressed = engines.family in QWEN
+    views_per_image = 2 if engines.family == "llava_onevision" else 1  # a LLaVA image: its base view, its crops
     for name, request in engines.requests.items():
         clear_caches(engines.llm)  # every video of the prompt is compressed here, none comes from the cache
         vllm_models.LAST_KEPT.clear()
@@ -269,7 +269,7 @@ def test_each_video_is_compressed_to_its_own_count_and_keeps_its_positions(engin
         got, stock = answer(engines.llm, request, max_tokens=1), engines.stock[name]
         kept, kept_images = list(vllm_models.LAST_KEPT), list(vllm_models.LAST_KEPT_IMAGES)
         assert len(kept) == (2 if name == "two videos" else 1), name
-        assert len(kept_images) == (1 if name == "video, image" and images_compressed else 0), name
+        assert len(kept_images) == (views_per_image if name == "video, image" else 0), name
         grids = [k["grid"] for k in kept]
         counts = [len(k["cells"]) for k in kept]
         assert counts == [pipeline.retained_count(g) for g in grids], name

@@ -1,16 +1,22 @@
-"""Images on vLLM (Qwen2.5-VL; Qwen2-VL shares the code; tests/test_vllm.py runs a video + image prompt on every
-family): an image request and an image + video request at retention 1.0 are stock vLLM bit for bit; at 0.25 the
-prompt is the text plus each item's count (the image pipeline's for the image); a spec that cannot reduce an image
-is answered with the reason (vLLM's 4xx on a server), and "images": false lets images through whole."""
+"""Images on vLLM (Qwen2.5-VL; Qwen2-VL shares the code; then LLaVA-OneVision's anyres images; tests/test_vllm.py
+runs a video + image prompt on every family): an image request and an image + video request at retention 1.0 are
+stock vLLM bit for bit; at 0.25 the prompt is the text plus each item's count (the image pipeline's for the image,
+each view's for a LLaVA image, whose crop rows keep their newlines); a spec that cannot reduce an image is answered
+with the reason (vLLM's 4xx on a server), and "images": false lets images through whole."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 from PIL import Image
 
+import vtc
+import vtc.hf.patching
+from vtc.core.engine import grid_cells
 from vtc.media.inputs import build_messages
 from vtc.media.video import synthetic_video
 from vtc.testing import tiny
+from vtc.testing.fixtures import model_and_processor, prompt_inputs
 from vtc.testing.serving import clear_caches, engine, reconfigure, shutdown, video_request
 from vtc.vllm import models as vllm_models
 from vtc.vllm.config import ServeConfig
@@ -19,8 +25,8 @@ FAMILY = "qwen2_5_vl"
 OPTIONS = dict(limit_mm_per_prompt={"video": 1, "image": 2}, max_num_batched_tokens=256)
 
 
-def picture(seed: int = 3) -> Image.Image:
-    return Image.fromarray(synthetic_video(1, 112, 140, seed=seed)[0])
+def picture(seed: int = 3, height: int = 112, width: int = 140) -> Image.Image:
+    return Image.fromarray(synthetic_video(1, height, width, seed=seed)[0])
 
 
 def image_request(tokenizer, images: list) -> dict:
@@ -118,3 +124,92 @@ def test_sttm_connect_compresses_a_video_once_for_every_question(served):
     assert len(vllm_models.LAST_KEPT) == 1  # compressed once, reused for the second question
     text = [len(tokenizer.encode(r["prompt"], add_special_tokens=False)) for r in requests]
     assert len(again) - len(first) == text[1] - text[0]
+
+
+# --- LLaVA-OneVision: anyres images (a base view, then the crops packed into one grid with a newline per row) -------
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory):
+    path = tiny.save("llava_onevision", str(tmp_path_factory.mktemp("vllm-images") / "llava_onevision"))
+    stock = engine(path, **OPTIONS)
+    tokenizer = stock.get_tokenizer()
+    requests = {
+        "one image": image_request(tokenizer, [picture()]),  # 2 views: the crops unpadded to 21 x 27
+        # a wide crop grid; an image of one crop
+        "two images": image_request(tokenizer, [picture(4, 160, 480), picture(5, 384, 384)]),
+        "video, image": video_request(tokenizer, synthetic_video(8, 224, 224, seed=0), "What?", images=[picture()]),
+    }
+    answers = {name: answer(stock, r) for name, r in requests.items()}
+    shutdown(stock)
+    llm = engine(path, vtc={"methods": "random", "retention": 1.0}, **OPTIONS)
+    try:
+        yield llm, requests, answers
+    finally:
+        shutdown(llm)
+
+
+def test_llava_images_at_retention_1_are_stock_vllm(llava):
+    """Every view through the image pipeline keeps all its tokens, and the span is vLLM's own: base, crops, newlines."""
+    llm, requests, stock = llava
+    for name, request in requests.items():
+        vllm_models.LAST_KEPT_IMAGES.clear()
+        assert answer(llm, request) == stock[name], name
+        views = [(k["view"], k["grid"]) for k in vllm_models.LAST_KEPT_IMAGES]
+        if name == "one image":
+            assert views == [("base", (1, 27, 27)), ("crops", (1, 21, 27))]
+        if name == "two images":
+            assert [v for v, _ in views] == ["base", "crops"] * 2 and views[1][1][2] > views[1][1][1], views
+
+
+@pytest.mark.parametrize("spec", ["divprune", "visionzip", "vispruner"])
+def test_each_llava_view_keeps_its_own_count_and_the_rows_keep_their_newlines(llava, spec):
+    """At 0.25 the base view and the crop grid each keep the image pipeline's count for their grid; the prompt is the
+    stock one less every view's dropped tokens (the newline after each crop row stays)."""
+    llm, requests, stock = llava
+    reconfigure(llm, {"methods": spec, "retention": 0.25})
+    pipeline = ServeConfig.from_dict({"methods": spec, "retention": 0.25}).pipeline("llava_onevision").for_images()
+    for name, request in requests.items():
+        clear_caches(llm)
+        vllm_models.LAST_KEPT_IMAGES.clear()
+        vllm_models.LAST_KEPT.clear()
+        prompt, _, _ = answer(llm, request)
+        views = list(vllm_models.LAST_KEPT_IMAGES)
+        assert len(views) == (4 if name == "two images" else 2), name
+        for view in views:
+            _, h, w = view["grid"]
+            assert len(view["cells"]) == pipeline.retained_count(view["grid"]) <= round(0.26 * h * w), name
+        items = views + list(vllm_models.LAST_KEPT)
+        dropped = sum(k["grid"][0] * k["grid"][1] * k["grid"][2] - len(k["cells"]) for k in items)
+        assert len(prompt) == len(stock[name][0]) - dropped, name
+
+
+def test_hf_and_vllm_split_a_llava_image_alike_and_keep_the_same_tokens(llava, monkeypatch):
+    """The same image through `vtc.patch` and the server: the same views (grids), and each view keeps the same cells
+    under divprune (features) and visionzip (the tower's attention, packed onto the crop grid as the features are),
+    up to a 2 % share swapped at near-ties (the two backends' towers differ in the last bits)."""
+    llm, requests, _ = llava
+    model, processor = model_and_processor("llava_onevision")
+    seen: list[tuple] = []
+    original = vtc.hf.patching.connect_video
+
+    def recording(*args, **kwargs):
+        tokens, out = original(*args, **kwargs)
+        seen.append((tokens.grid, grid_cells(out).sort().values.cpu()))
+        return tokens, out
+
+    monkeypatch.setattr(vtc.hf.patching, "connect_video", recording)
+    inputs = prompt_inputs(processor, [], [picture()])
+    for spec in ("divprune", "visionzip"):
+        seen.clear()
+        with vtc.patch(model, spec, retention=0.25), torch.no_grad():
+            model(**inputs)
+        reconfigure(llm, {"methods": spec, "retention": 0.25})
+        clear_caches(llm)
+        vllm_models.LAST_KEPT_IMAGES.clear()
+        answer(llm, requests["one image"])
+        served = [(k["grid"], k["cells"]) for k in vllm_models.LAST_KEPT_IMAGES]
+        assert [g for g, _ in served] == [g for g, _ in seen] == [(1, 27, 27), (1, 21, 27)], spec
+        for (_, cells), (_, hf_cells) in zip(served, seen):
+            swapped = set(cells.tolist()) ^ set(hf_cells.tolist())
+            assert len(cells) == len(hf_cells) and len(swapped) <= 2 * max(1, len(hf_cells) // 50), spec

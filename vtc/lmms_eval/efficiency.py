@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Iterable
 
-from vtc.core.stats import ForwardStats
+from vtc.core.stats import ForwardStats, MediaItem
 
 NO_VIDEO = "no video in this document: vtc compressed nothing"
 
@@ -106,6 +106,7 @@ def served_record(
     prefill_s: float | None,
     generate_s: float,
     sample_s: float,
+    items: list[MediaItem] = (),
 ) -> dict[str, Any]:
     """One document answered by vLLM: the connect stage as one step (vLLM reports no per-plugin times), the LLM
     untouched after it (serving runs connect-stage methods only). TTFT and prefill are vLLM's request metrics
@@ -118,7 +119,8 @@ def served_record(
     counts = _counts(visual_tokens, kept_tokens, kept_tokens, prompt_tokens, llm_prompt_tokens)
     times = {"ttft_s": ttft_s, "prefill_s": prefill_s, "generate_s": generate_s, "sample_s": sample_s}
     record = _record("vllm", grids, counts, stages, times, output_tokens)
-    if methods is not None and not grids:
+    record["items"] = [dataclasses.asdict(item) for item in items]  # each video and image: tokens in / out
+    if methods is not None and not any(item.compressed for item in items):
         record["note"] = NO_VIDEO
     return record
 

@@ -29,6 +29,7 @@ from transformers import LogitsProcessor
 
 import vtc
 from vtc.core.pipeline import Pipeline
+from vtc.core.stats import MediaItem
 from vtc.hf.adapters import config_adapter, resolve_adapter
 from vtc.hf.adapters.base import CapturedInputs
 from vtc.hf.loading import load_model
@@ -50,7 +51,7 @@ class ModelArgs:
     num_frames: int | None = 32  # frames per video (uniform without a sampler); none: the sampler's own rule
     positions: str | None = None  # "keep" / "compact"; default: what each method's official code does
     seed: int = 0  # seed of every random choice a method makes
-    images: bool = True  # backend=hf: compress each image of a document too (false: images pass whole)
+    images: bool = True  # compress each image of a document too (false: images pass whole), on either backend
     dtype: str = "auto"  # auto, bfloat16, float16, float32
     device_map: str | None = None  # from_pretrained's device_map (default: "auto" on GPU, CPU otherwise)
     attn_implementation: str | None = None  # e.g. flash_attention_2 (FastV-style methods read attention anyway)
@@ -247,7 +248,13 @@ class VtcModel(lmms):
         serving = pipeline = None
         if methods is not None:
             params = self._sampler_count(methods, params)
-            raw = {"methods": methods, "retention": retention, "params": params, "seed": self.args.seed}
+            raw = {
+                "methods": methods,
+                "retention": retention,
+                "params": params,
+                "seed": self.args.seed,
+                "images": self.args.images,
+            }
             serving = ServeConfig.from_dict(raw)
             pipeline = serving.pipeline(self.family)  # family checks before an engine starts
         if self.llm is not None:
@@ -332,10 +339,10 @@ class VtcModel(lmms):
         """The answer to one chat in lmms-eval's message format (greedy unless the task asks for sampling), and
         the document's record."""
         chat = Chat.parse(raw_messages, self.system_prompt, where, self)
-        images_pass = self.args.backend == "vllm" or not self.args.images or not chat.images
+        images_pass = not self.args.images or not chat.images
         if chat.video is None and self.pipeline is not None and images_pass and not self._warned_no_video:
             self._warned_no_video = True
-            why = "images=false" if self.args.backend == "hf" and chat.images else "vLLM passes images whole"
+            why = "images=false" if chat.images else "no image either"
             warnings.warn(
                 f"{where}: no video in this document, so {self.pipeline.spec} compresses nothing ({why}). Its record "
                 "says so; further documents like it are not warned about",
@@ -452,13 +459,14 @@ class VtcModel(lmms):
         else:
             full = self.processor(text=[prompt], images=images, return_tensors="pt")
         spans = self._spans(full)
-        visual = sum(s.num_tokens for s in spans)
-        kept = sum(pipeline.retained_count(s.grid) for s in spans) if pipeline is not None else visual
+        items = self._served_items(full, spans, compress_images=bool(images) and self.args.images)
+        visual = sum(item.tokens_in for item in items if item.compressed)
         record = served_record(
             self.serving.methods if self.serving is not None else None,
             grids=[s.grid for s in spans],
             visual_tokens=visual,
-            kept_tokens=kept,
+            kept_tokens=sum(item.tokens_out for item in items if item.compressed),
+            items=items,
             prompt_tokens=int(full["input_ids"].shape[1]),
             llm_prompt_tokens=len(out.prompt_token_ids),
             output_tokens=len(out.outputs[0].token_ids),
@@ -471,10 +479,27 @@ class VtcModel(lmms):
             record["frames"] = [frame_record(shown)]
         return out.outputs[0].text, record
 
-    def _spans(self, inputs) -> list:
-        """Where each video's tokens sit in the (uncompressed) prompt, with their grids."""
+    def _spans(self, inputs, kind: str = "video") -> list:
+        """Where each video's (or image's) tokens sit in the (uncompressed) prompt, with their grids."""
         captured = CapturedInputs(inputs["input_ids"], inputs.get("attention_mask"), dict(inputs))
+        if kind == "image":
+            return self.adapter.image_spans(captured) if self.adapter.has_image(captured) else []
         return self.adapter.video_spans(captured) if self.adapter.has_video(captured) else []
+
+    def _served_items(self, inputs, videos: list, compress_images: bool) -> list[MediaItem]:
+        """Each video and image (each view of a LLaVA image) of a document sent to vLLM, with the count the server
+        keeps of it: the pipeline's fixed count, the image pipeline's for an image (whole when images pass)."""
+        pipeline = self.pipeline
+        images = self._spans(inputs, "image")
+        image_pipeline = pipeline.for_images() if pipeline is not None and compress_images and images else None
+        items = []
+        for span in sorted(videos + images, key=lambda s: int(s.seq_index.min())):
+            by = pipeline if span.kind == "video" else image_pipeline
+            kept = span.num_tokens if by is None else by.retained_count(span.grid)
+            items.append(
+                MediaItem(span.kind, span.video, 0, span.grid, span.num_tokens, kept, by is not None, span.view)
+            )
+        return items
 
     def _text_and_images(self, chat: Chat):
         text = self.processor.apply_chat_template(chat.messages, add_generation_prompt=True, tokenize=False)

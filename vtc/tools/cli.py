@@ -451,7 +451,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--no-images",
         action="store_true",
-        help="let images reach the LLM whole (default: the Qwen servers compress each image too)",
+        help="let images reach the LLM whole (default: each image is compressed too)",
     )
     serve.add_argument(
         "--retention-range",

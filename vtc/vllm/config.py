@@ -251,9 +251,9 @@ class ServeConfig:
     LLM sees. params: method parameters (`field` or `method.field`), as for `vtc.patch`. seed: the seed of every
     random choice (the same video always gets the same tokens). request_settings: whether a request may override
     retention, params or seed for itself (`mm_processor_kwargs={"vtc": {...}}`); retention_range: the
-    [low, high] a request's retention must lie in. images: compress images too (default; the Qwen servers:
-    each image through the methods that take one image, `Pipeline.for_images`), or let them reach the LLM whole
-    (false)."""
+    [low, high] a request's retention must lie in. images: compress images too (default: each image, each
+    view of a LLaVA-OneVision image, through the methods that take one image, `Pipeline.for_images`), or let them
+    reach the LLM whole (false)."""
 
     methods: str
     retention: float | None = None

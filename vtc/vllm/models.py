@@ -73,6 +73,7 @@ from vtc.core.geometry import FamilyGeometry
 from vtc.core.pipeline import Pipeline
 from vtc.core.tokens import Context
 from vtc.core.tower import TowerTokens, pooled_survivors
+from vtc.hf.adapters.base import AnyresLayout, anyres_view_stat
 from vtc.hf.prepool import PrepoolCapture
 from vtc.vllm.config import CONFIG_ATTR, KEY, ServeConfig, request_question, without_question
 from vtc.vllm.encode import KEPT_FIELD, choose_units, encode_survivors, encoded_count
@@ -258,15 +259,27 @@ class Serving:
         return out
 
     def compress_image(
-        self, embeds: Tensor, grid: tuple[int, int, int], index: int, extras: dict[str, Tensor] | None = None
+        self,
+        embeds: Tensor,
+        grid: tuple[int, int, int],
+        index: int,
+        extras: dict[str, Tensor] | None = None,
+        *,
+        view: str = "",
+        vision: dict | None = None,
+        geometry: FamilyGeometry | None = None,
     ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-        """Image `index` of this call through the image pipeline's connect methods -> (embeds, grid cells, extras)
-        of the survivors, in the methods' order; every cell when images pass whole."""
+        """Image `index` of this call (or one `view` of it: LLaVA's anyres "base" / "crops", with that view's
+        `vision` statistics and `geometry`) through the image pipeline's connect methods -> (embeds, grid cells,
+        extras) of the survivors, in the methods' order; every cell when images pass whole."""
         pipeline = self.image_pipeline_of(index)
         if pipeline is None:
             return embeds, torch.arange(embeds.shape[0]), dict(extras or {})
-        vision = self._image_vision[index] if index < len(self._image_vision) else {}
+        if vision is None:
+            vision = self._image_vision[index] if index < len(self._image_vision) else {}
         ctx = self._context(pipeline, index, self.image_config_of(index), media="image", vision=vision)
+        if geometry is not None:
+            ctx = ctx.replace(geometry=geometry)
         pipeline.begin_prompt()
         _, out = connect_video(pipeline, embeds, grid, ctx, extras=extras)
         promised = pipeline.retained_count(grid)
@@ -276,9 +289,15 @@ class Serving:
                 f"the prompt was sized for {promised}"
             )
         embeds_out, cells, extras_out = _same_on_every_rank(out.embeds, grid_cells(out), out.extras)
-        LAST_KEPT_IMAGES.append({"family": self.family, "grid": grid, "cells": torch.sort(cells).values.cpu()})
+        LAST_KEPT_IMAGES.append(
+            {"family": self.family, "grid": grid, "view": view, "cells": torch.sort(cells).values.cpu()}
+        )
         del LAST_KEPT_IMAGES[:-64]
         return embeds_out.to(embeds.dtype), cells, extras_out
+
+    def image_vision_of(self, index: int) -> dict:
+        """The vision statistics image `index` of this call was encoded with (per view on LLaVA: [views, ...])."""
+        return self._image_vision[index] if index < len(self._image_vision) else {}
 
     def kept_of(self, index: int, grid: tuple[int, int, int]) -> Tensor | None:
         """The units video `index` of this call keeps before the tower; None when it keeps all of them."""
@@ -760,8 +779,6 @@ class _VtcProcessor:
         server = server_config(self.info.get_hf_config())
         if server is None:
             return updates
-        if not self.compresses_images:
-            _warn_uncompressed_images(mm_items.get_count("image", strict=False))
         out = []
         for update in updates:
             if isinstance(update, PromptReplacement) and update.modality == "video":
@@ -819,19 +836,6 @@ def _without_vtc(kwargs):
     """Processor kwargs without the request's vtc settings: they are vtc's, not the HF processor's (vLLM still
     hashes them into the request's cache keys)."""
     return {name: value for name, value in kwargs.items() if name != KEY} if KEY in kwargs else kwargs
-
-
-@functools.lru_cache(maxsize=1)
-def _warn_uncompressed_images(count: int) -> None:
-    """Say once (per count) that images pass uncompressed: vtc compresses videos, and a client that sends a
-    video's frames as images (lmms-eval's `vllm` model does) gets no compression at all."""
-    if count:
-        logger.warning(
-            "vtc compresses video inputs only: this request's %d image(s) reach the LLM uncompressed. A client that "
-            "sends video frames as images gets no compression (with lmms-eval use --model vllm_generate, which "
-            "sends videos as videos).",
-            count,
-        )
 
 
 class _QwenImages:
@@ -900,6 +904,53 @@ class _LlavaProcessor(_VtcProcessor):
         videos = mm_items.get_items("video", (VideoProcessorItems,))  # embeddings given by the client: refused
         grid = _llava_grid(len(full) - self.trailing, videos.get_num_frames(item_idx))
         return [full[0]] * (pipeline.retained_count(grid) + self.trailing)
+
+
+# vLLM's LLaVA-OneVision packs an image's crops to about 9 views' tokens whatever the config's vision_aspect_ratio
+VLLM_ANYRES_MAX_VIEWS = 9
+
+
+def anyres_layout_of(family: str, hf_config, size) -> AnyresLayout:
+    """How vLLM's LLaVA-OneVision packs an image of `size` (height, width): a base view, its crops' grid."""
+    from vtc.hf.adapters import config_adapter
+
+    return config_adapter(family, hf_config).anyres_layout(list(size), max_views=VLLM_ANYRES_MAX_VIEWS)
+
+
+def anyres_image_count(pipeline: Pipeline, layout: AnyresLayout) -> int | None:
+    """An anyres image's tokens after the image pipeline: each view keeps its own count (the base view's grid and
+    the packed crops' grid are two items, as on the HF backend); the newlines stay (one per crop row, or one after
+    an image of a single view). None: some view has no fixed count."""
+    base = pipeline.retained_count((1, layout.side, layout.side))
+    crops = pipeline.retained_count((1, layout.rows, layout.cols)) if layout.rows else 0
+    if base is None or crops is None:
+        return None
+    return base + crops + (layout.rows if layout.rows else 1)
+
+
+class _LlavaOnevisionImages:
+    """LLaVA-OneVision's images on vLLM: the base view and the packed crop grid each through the image pipeline,
+    sized here from `image_sizes` with transformers' anyres functions (checked against vLLM's own count)."""
+
+    compresses_images = True
+
+    def _image_replacement(self, item_idx, original, pipeline, item):
+        full = original(item_idx)
+        if "image_sizes" not in item:
+            raise ValueError(
+                "vtc compresses an image from its pixels; this request gave image embeddings: send the image, or start "
+                'the server with "images": false'
+            )
+        layout = anyres_layout_of(self.family, self.info.get_hf_config(), item["image_sizes"].data.tolist())
+        if layout.length != len(full):
+            raise RuntimeError(f"vtc: the anyres layout {layout} has {layout.length} tokens, vLLM counts {len(full)}")
+        count = anyres_image_count(pipeline, layout)
+        if count is None:
+            raise ValueError(
+                f"{pipeline.spec!r} has no fixed count for an image; a server sizes the prompt before the image is "
+                'encoded: use a fixed-count method, or start the server with "images": false'
+            )
+        return [full[0]] * count
 
 
 def _llava_grid(tokens: int, frames: int) -> tuple[int, int, int]:
@@ -988,7 +1039,7 @@ class _MRopeServing(_ServingModel):
         rate = getattr(self.config.vision_config, "tokens_per_second", 1.0)
         return (1.0 if seconds is None else float(seconds)) * rate
 
-    # images: through the image pipeline (Qwen2-VL, Qwen2.5-VL), or whole (Qwen3-VL), with their positions -------
+    # images: through the image pipeline, with their positions (every Qwen class sets compresses_images) ----------
     compresses_images = False
 
     def _process_image_input(self, image_input):
@@ -1203,7 +1254,7 @@ class _LlavaServing(_ServingModel):
         return out
 
 
-class VtcLlavaOnevisionProcessor(_LlavaProcessor, LlavaOnevisionMultiModalProcessor):
+class VtcLlavaOnevisionProcessor(_LlavaOnevisionImages, _LlavaProcessor, LlavaOnevisionMultiModalProcessor):
     family = "llava_onevision"
     trailing = 1
 
@@ -1212,8 +1263,66 @@ class VtcLlavaOnevisionProcessor(_LlavaProcessor, LlavaOnevisionMultiModalProces
     VtcLlavaOnevisionProcessor, info=LlavaOnevisionProcessingInfo, dummy_inputs=LlavaOnevisionDummyInputsBuilder
 )
 class VtcLlavaOnevision(_LlavaServing, LlavaOnevisionForConditionalGeneration):
+    """Images: each view through the image pipeline (the base view as a frame, the crops on their packed grid, with
+    the statistics packed the way their features are); the base view's survivors in the methods' order, the crops'
+    at their own places with every row's newline, as vtc's HF backend lays them out."""
+
     family = "llava_onevision"
     trailing = 1
+
+    def _process_image_input(self, image_input):
+        if self.vtc is None or image_input.type != "pixel_values":  # embeddings were refused by the processor
+            return super()._process_image_input(image_input)
+        pixels = image_input["pixel_values"]
+        views = _frames_per_video(pixels)
+        run = functools.partial(self._process_image_pixels, image_input)
+        patches = self.vtc.encode_images(run, [(v, 1, 1) for v in views], None)
+        sizes = image_input.get("image_sizes")
+        if sizes is None:
+            side = self.config.vision_config.image_size
+            sizes = torch.as_tensor([[side, side]] * len(views))
+        return [self._image(patch, sizes[k], k) for k, patch in enumerate(patches)]
+
+    def _image(self, patch: Tensor, size: Tensor, index: int) -> Tensor:
+        """One image's prompt span: vLLM's own packing of its views (base, then the unpadded, resized crops), each
+        view compressed, the newlines put back."""
+        if self.vtc.image_pipeline_of(index) is None:  # "images": false
+            return self._merge_image_patch_embeddings(
+                size, patch, image_newline=self.image_newline, strategy="spatial_unpad"
+            )
+        merged = self._merge_image_patch_embeddings(size, patch, image_newline=None, strategy="spatial_unpad")
+        layout = anyres_layout_of(self.family, self.config, size.tolist())
+        base_len = layout.side * layout.side
+        if merged.shape[0] != base_len + (layout.rows * layout.cols if layout.rows else 1):
+            raise RuntimeError(f"vtc: the anyres layout {layout} does not match vLLM's packing ({merged.shape[0]})")
+        stats = self.vtc.image_vision_of(index)
+        cls_tokens = self.vtc.geometry.cls_tokens
+
+        def view_stats(view: str) -> dict:
+            return {stat: anyres_view_stat(stat, v, layout, view, cls_tokens) for stat, v in stats.items()}
+
+        base, _, _ = self.vtc.compress_image(
+            merged[:base_len], (1, layout.side, layout.side), index, view="base", vision=view_stats("base")
+        )
+        newline = self.image_newline.to(merged.device, merged.dtype)[None]
+        if not layout.rows:
+            return torch.cat([base, newline])
+        rows, cols = layout.rows, layout.cols
+        crops, cells, _ = self.vtc.compress_image(
+            merged[base_len:],
+            (1, rows, cols),
+            index,
+            view="crops",
+            vision=view_stats("crops"),
+            geometry=dataclasses.replace(self.vtc.geometry, patch_grid=None),
+        )
+        # each kept token at its own place in the packed grid, the newline after every row (kept or emptied)
+        cells = cells.to(crops.device)
+        keys = torch.cat(
+            [cells // cols * (cols + 1) + cells % cols, torch.arange(rows, device=crops.device) * (cols + 1) + cols]
+        )
+        order = torch.sort(keys).indices
+        return torch.cat([base, torch.cat([crops, newline.expand(rows, -1)])[order]])
 
 
 class VtcLlavaNextVideoProcessor(_LlavaProcessor, LlavaNextVideoMultiModalProcessor):

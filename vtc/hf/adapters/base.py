@@ -235,6 +235,15 @@ def pack_crops(values: Tensor, layout: AnyresLayout, cls_tokens: int, token_axis
     return x.movedim(1, token_axis).to(values.dtype)
 
 
+def anyres_view_stat(stat, values: Tensor, layout: AnyresLayout, view: str, cls_tokens: int) -> Tensor:
+    """One vision statistic of one view of an anyres image, from the image's per-view values [views, ...] (shared by
+    the HF and vLLM backends): the base view's as a frame's; the crops' packed as the model packs their features
+    (`pack_crops`: CLS dropped, tiled, unpadded, resized), on the token grid."""
+    if view == "base":
+        return values[:1]
+    return pack_crops(values[1 : layout.views], layout, cls_tokens, -1 if stat.kind == "cls" else 1)
+
+
 class Adapter:
     """Base class; one subclass per model family, in the file that declares the family's `Family` record
     (`vtc/hf/adapters/<family>.py`; see docs/add-a-family.md).
@@ -387,36 +396,43 @@ class LlavaAdapter(Adapter):
     max_views: int | None = None  # LLaVA-OneVision's anyres_max_N: the packed grid is shrunk to about N views
 
     def _hf_module(self):
+        """The model's transformers module (its anyres functions); a config-only adapter (vLLM's) has no module: the
+        family's own modeling module then."""
         import importlib
 
+        if not isinstance(self.model, torch.nn.Module):
+            return importlib.import_module(f"transformers.models.{self.family}.modeling_{self.family}")
         return importlib.import_module(type(self.outer).__module__)
 
+    def anyres_layout(self, size: list[int], split: bool = True, max_views: int | None = None) -> AnyresLayout:
+        """How the model packs the features of one image of `size` (height, width), with transformers' own anyres
+        functions: a base view and, unless the image is one view (or is not `split`), its crops' packed grid,
+        resized to about `max_views` views (default: the model's `vision_aspect_ratio`; vLLM hard-codes 9)."""
+        config, hf = self.model.config, self._hf_module()
+        side = self.patch_side
+        size = [int(v) for v in size]
+        views = hf.image_size_to_num_patches(size, config.image_grid_pinpoints, config.vision_config.image_size)
+        if not split or views == 1:
+            return AnyresLayout(side, 1, 0, 0, 0, 0, None)
+        nh, nw = hf.get_anyres_image_grid_shape(size, config.image_grid_pinpoints, config.vision_config.image_size)
+        _, rows, cols = hf.unpad_image(torch.empty(0, nh * side, nw * side), size).shape
+        resized = None
+        max_views = self.max_views if max_views is None else max_views
+        if max_views is not None:
+            ratio = math.sqrt(rows * cols / (max_views * side**2))
+            if ratio > 1.1:
+                resized = (int(rows // ratio), int(cols // ratio))
+        out_rows, out_cols = resized or (rows, cols)
+        return AnyresLayout(side, views, nh, nw, out_rows, out_cols, (rows, cols) if resized else None)
+
     def image_layouts(self, captured: CapturedInputs) -> list[AnyresLayout]:
-        """How the model packs each image's features (`pack_image_features`), from `image_sizes` and the config,
-        with transformers' own anyres functions."""
+        """How the model packs each image's features (`pack_image_features`), from `image_sizes` and the config."""
         sizes = captured.kwargs.get("image_sizes")
         if sizes is None:
             raise ValueError(f"{self.family}: the prompt has image tokens but the forward got no image_sizes")
-        config, hf = self.model.config, self._hf_module()
-        side = self.patch_side
         counts = captured.kwargs.get("batch_num_images")  # LLaVA-OneVision: several images of a prompt are not split
         patched = [True] * len(sizes) if counts is None else [int(n) == 1 for n in counts for _ in range(int(n))]
-        layouts = []
-        for size, split in zip(sizes.tolist(), patched):
-            views = hf.image_size_to_num_patches(size, config.image_grid_pinpoints, config.vision_config.image_size)
-            if not split or views == 1:
-                layouts.append(AnyresLayout(side, 1, 0, 0, 0, 0, None))
-                continue
-            nh, nw = hf.get_anyres_image_grid_shape(size, config.image_grid_pinpoints, config.vision_config.image_size)
-            _, rows, cols = hf.unpad_image(torch.empty(0, nh * side, nw * side), size).shape
-            resized = None
-            if self.max_views is not None:
-                ratio = math.sqrt(rows * cols / (self.max_views * side**2))
-                if ratio > 1.1:
-                    resized = (int(rows // ratio), int(cols // ratio))
-            out_rows, out_cols = resized or (rows, cols)
-            layouts.append(AnyresLayout(side, views, nh, nw, out_rows, out_cols, (rows, cols) if resized else None))
-        return layouts
+        return [self.anyres_layout(size, split) for size, split in zip(sizes.tolist(), patched)]
 
     def image_spans(self, captured: CapturedInputs) -> list[VideoSpan]:
         """Each image as its base view (grid (1, side, side)) and, when the processor split it, its packed crop grid
@@ -488,10 +504,6 @@ class LlavaAdapter(Adapter):
             values = torch.cat([c[stat.kind] for c in call["chunks"].get(layer, []) if stat.kind in c])
             for k, span in enumerate(spans):
                 layout = layouts[span.video]
-                if span.view == "base":
-                    out[k][stat] = values[first[span.video] : first[span.video] + 1]
-                else:
-                    crops = values[first[span.video] + 1 : first[span.video] + layout.views]
-                    axis = -1 if stat.kind == "cls" else 1
-                    out[k][stat] = pack_crops(crops, layout, self.geometry.cls_tokens, axis)
+                image = values[first[span.video] : first[span.video] + layout.views]
+                out[k][stat] = anyres_view_stat(stat, image, layout, span.view, self.geometry.cls_tokens)
         return out
