@@ -698,6 +698,8 @@ class EarlyTom(vtc.TowerMerger):
     LLaVA-Video). Stage III (an optional HoliTom inner merge in the LLM) is not part of it: compose with vtc's
     own in-LLM methods instead."""
 
+    temporal = True  # frames are grouped by the similarity of consecutive frames: videos only
+
     ratio: float | None = vtc.param(None, range="(0, 1]", doc="RETAIN_RATIO; default: the retention, else 0.2")
     tau: float = vtc.param(
         README_SETTING.tau, range="[-1, inf)", doc="T: a new frame group when the EMA similarity < T (> 1: no mixing)"

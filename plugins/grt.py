@@ -652,6 +652,8 @@ class GRT(vtc.TowerMerger):
     research wrapper's (`llava_onevision_dense`, the configuration with both stages); the HF release's stage 1 is
     `gate_reference="cached", gate_metric="ssim", gate_threshold=0.01` (with `keep_ratio=1.0`: no packing)."""
 
+    temporal = True  # the gate reuses the previous frame's tokens, scenes pack frames: videos only
+
     gate_metric: str = vtc.param(
         RESEARCH_WRAPPER.gate_metric, choices=METRICS, doc="gate_metric: l2 (research wrapper) or ssim (1 - SSIM)"
     )

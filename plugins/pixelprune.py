@@ -344,7 +344,8 @@ class PixelPrune(vtc.PatchSelector):
     metric: str = vtc.param("max", choices=METRICS, doc="PIXELPRUNE_METRIC: max (L-inf), mae, rmse, exact")
     anchored: bool = vtc.param(True, doc="compare with reconstructions, not originals (official, for tau > 0)")
 
-    temporal: ClassVar[bool] = False  # pixelprune-video: also predict from the previous temporal patch
+    # pixelprune-video: also predict from the previous temporal patch (so it needs time: videos only)
+    temporal: ClassVar[bool] = False
 
     def adaptive(self) -> bool:
         return self.threshold is not None or self.retention is None

@@ -11,6 +11,7 @@ import torch
 from PIL import Image
 
 import vtc
+import vtc.hf.patching
 from tests.conftest import FAMILIES
 from tests.probes import llm_inputs
 from vtc.core.engine import grid_cells, video_tokens
@@ -18,6 +19,8 @@ from vtc.core.pipeline import Pipeline
 from vtc.core.tokens import Context
 from vtc.media.video import synthetic_video
 from vtc.testing.fixtures import model_and_processor, prompt_inputs
+
+QWEN_FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
 
 
 def picture(height: int = 112, width: int = 140, seed: int = 3) -> Image.Image:
@@ -130,3 +133,77 @@ def test_images_must_be_a_bool():
     model, _ = model_and_processor("qwen2_vl")
     with pytest.raises(ValueError, match="images must be True"):
         vtc.patch(model, "random", retention=0.5, images="yes")
+
+
+# --- encode methods on images (Qwen families: an image is a video of one temporal patch) -------------------------
+
+
+def half_blank_picture() -> Image.Image:
+    """224 x 112 px: a flat grey left half, a moving-square clip frame on the right (the Qwen processors keep the
+    size, so the boundary falls between merge units)."""
+    frame = synthetic_video(1, 112, 224, seed=5)[0].copy()
+    frame[:, :112] = 128
+    return Image.fromarray(frame)
+
+
+def recorded_survivors(monkeypatch) -> list[tuple[str, torch.Tensor | None]]:
+    """(media, survivors the encode stage handed the connect stage) of every item, as the prefill runs it."""
+    seen: list[tuple[str, torch.Tensor | None]] = []
+    original = vtc.hf.patching.connect_video
+
+    def recording(*args, **kwargs):
+        seen.append((kwargs["ctx"].media, kwargs.get("survivors")))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(vtc.hf.patching, "connect_video", recording)
+    return seen
+
+
+@pytest.mark.parametrize("family", QWEN_FAMILIES)
+def test_pixelprune_on_an_image_keeps_the_official_units_and_drops_its_blank_half(family, monkeypatch):
+    """pixelprune with no retention (the official adaptive rule, tau = 0) on an image keeps exactly the units
+    `pixelprune_keep` (the official Pred2DSelector over the processor's pixels) keeps; of the flat left half only the
+    predictor's anchor survives. At retention 1.0 pixelprune and tome leave the model's logits unchanged."""
+    from plugins.pixelprune import pixelprune_keep
+
+    model, processor = model_and_processor(family)
+    inputs = prompt_inputs(processor, [], [half_blank_picture()])
+    vision = model.config.vision_config
+    assert processor.image_processor.image_mean == processor.video_processor.image_mean  # one normalisation
+    assert processor.image_processor.image_std == processor.video_processor.image_std
+    mean, std = processor.image_processor.image_mean, processor.image_processor.image_std
+    reference = pixelprune_keep(
+        inputs["pixel_values"], inputs["image_grid_thw"], mean, std, vision.temporal_patch_size, vision.patch_size
+    ).indices
+    seen = recorded_survivors(monkeypatch)
+    with vtc.patch(model, "pixelprune", processor=processor) as handle, torch.no_grad():
+        model(**inputs)
+    ((media, survivors),) = seen
+    (item,) = handle.stats().items
+    _, h, w = item.grid
+    assert media == "image" and torch.equal(survivors, reference) and item.tokens_out == len(reference) < h * w
+    left = survivors[survivors % w < w // 2]
+    assert left.tolist() == [0]  # the anchor: every other unit of the flat half is its own prediction
+
+    with torch.no_grad():
+        stock = model(**inputs).logits
+        for spec in ("pixelprune", "tome"):
+            with vtc.patch(model, spec, retention=1.0):
+                assert torch.equal(model(**inputs).logits, stock), spec
+
+
+@pytest.mark.parametrize("spec", ["tome", "pixelprune+random", "tome+divprune"])
+def test_encode_methods_compress_every_image_and_video_of_a_prompt_to_its_count(spec):
+    """A video and an image in one prompt (Qwen2.5-VL): the encode methods act on both, and each item reaches the
+    LLM with its own count (`retained_count(grid, kind)`, tome's round(r * n) per frame); the LLM's sequence is the
+    text plus the kept tokens."""
+    model, processor = model_and_processor("qwen2_5_vl")
+    inputs = prompt_inputs(processor, [synthetic_video(4, 112, 112, seed=0)], [half_blank_picture()])
+    embeds, _, handle = llm_inputs(model, inputs, spec, retention=0.25)
+    stats = handle.stats()
+    assert [i.kind for i in stats.items] == ["video", "image"]
+    encode = [s for s in stats.stages if s.stage == "encode"]
+    assert len(encode) == 2 and {s.tokens_in for s in encode} == {i.tokens_in for i in stats.items}
+    for item in stats.items:
+        assert item.tokens_out == handle.retained_count(item.grid, item.kind) < item.tokens_in, item
+    assert embeds.shape[0] == inputs["input_ids"].shape[1] - stats.visual_tokens_in + stats.llm_tokens_in

@@ -1,7 +1,7 @@
 """A real `vtc serve` process on a local port (Qwen2-VL and Qwen3-VL), answered through the OpenAI client: the
-prompt holds exactly the text plus `retained_count` video tokens, a request may set its own retention, twelve
-concurrent requests answer as each does alone while a malformed one among them gets HTTP 400, and a config that
-cannot serve stops `vtc serve` before vLLM starts."""
+prompt holds exactly the text plus `retained_count` video tokens (an image-only request: the image pipeline's
+count), a request may set its own retention, twelve concurrent requests answer as each does alone while a malformed
+one among them gets HTTP 400, and a config that cannot serve stops `vtc serve` before vLLM starts."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import pytest
 from tests.probes import coloured_clip
 from vtc.media.video import synthetic_video
 from vtc.testing import tiny
-from vtc.vllm.client import request_settings, video_message
+from vtc.vllm.client import image_message, request_settings, video_message
 from vtc.vllm.config import ServeConfig
 
 QUESTION = "What happens in this video?"
@@ -101,6 +101,19 @@ def kept_logs(lines: list[str], spec: str = "vidcom2") -> list[tuple[tuple[int, 
     return out
 
 
+def image_logs(lines: list[str], spec: str = "vidcom2") -> list[tuple[tuple[int, int, int], int, int]]:
+    pattern = re.compile(
+        re.escape(f"vtc {spec}: image") + r" \d+, grid \((\d+), (\d+), (\d+)\): kept (\d+) of (\d+) tokens"
+    )
+    out = []
+    for line in list(lines):
+        m = pattern.search(line)
+        if m:
+            t, h, w, kept, total = (int(v) for v in m.groups())
+            out.append(((t, h, w), kept, total))
+    return out
+
+
 def count(family: str, grid, retention: float = 0.25) -> int:
     return ServeConfig.from_dict({"methods": "vidcom2", "retention": retention}).pipeline(family).retained_count(grid)
 
@@ -132,6 +145,27 @@ def test_vtc_serve_answers_a_chat_completion_with_a_compressed_video(server):
     )
     text_tokens = len(tokenizer.encode(prompt, add_special_tokens=False)) - 1
     assert reply.usage.prompt_tokens == text_tokens + kept
+
+
+def test_vtc_serve_compresses_an_image_only_request(server):
+    """An image-only chat request (an OpenAI `image_url` part): the server compresses the image to the image
+    pipeline's count, and the prompt is the chat template's text plus the kept tokens."""
+    client, lines, path, family = server
+    from transformers import AutoTokenizer
+
+    question = "What is in the picture?"
+    before = len(image_logs(lines))
+    _, prompt_tokens, _ = ask(client, image_message([synthetic_video(1, 112, 140, seed=32)[0]], question))
+    time.sleep(0.5)
+    ((grid, kept, total),) = image_logs(lines)[before:]
+    pipeline = ServeConfig.from_dict({"methods": "vidcom2", "retention": 0.25}).pipeline(family).for_images()
+    assert total == grid[0] * grid[1] * grid[2] and kept == pipeline.retained_count(grid) < total
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    content = [{"type": "image"}, {"type": "text", "text": question}]
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+    )
+    assert prompt_tokens == len(tokenizer.encode(prompt, add_special_tokens=False)) - 1 + kept
 
 
 def test_a_malformed_video_gets_400_and_the_server_keeps_serving(server):

@@ -126,6 +126,66 @@ def test_sttm_connect_compresses_a_video_once_for_every_question(served):
     assert len(again) - len(first) == text[1] - text[0]
 
 
+# --- encode methods on images (an image: a video of one temporal patch) -------------------------------------------
+
+
+def half_blank_picture() -> Image.Image:
+    frame = synthetic_video(1, 112, 224, seed=5)[0].copy()
+    frame[:, :112] = 128
+    return Image.fromarray(frame)
+
+
+def hf_image_cells(monkeypatch, family: str, spec: str, retention: float, params: dict) -> list[torch.Tensor]:
+    """The cells each image keeps under `vtc.patch` on the tiny HF model (the same weights as the server's)."""
+    model, processor = model_and_processor(family)
+    seen: list[torch.Tensor] = []
+    original = vtc.hf.patching.connect_video
+
+    def recording(*args, **kwargs):
+        tokens, out = original(*args, **kwargs)
+        seen.append(grid_cells(out).sort().values.cpu())
+        return tokens, out
+
+    monkeypatch.setattr(vtc.hf.patching, "connect_video", recording)
+    inputs = prompt_inputs(processor, [], [half_blank_picture()])
+    with vtc.patch(model, spec, retention=retention, processor=processor, **params), torch.no_grad():
+        model(**inputs)
+    monkeypatch.undo()
+    return seen
+
+
+def test_encode_methods_on_images_serve_the_hf_backends_units(served, monkeypatch):
+    """pixelprune (before the tower, in the prompt processor) and tome (between the tower's blocks) act on images as
+    on videos: at 1.0 the image and video + image requests are stock vLLM; at 0.25 each image keeps the image
+    pipeline's count, the prompt is the text plus the kept tokens, and the server keeps the units `vtc.patch` keeps
+    on the same image (pixelprune's blank half loses every unit but the predictor's anchor)."""
+    llm, requests, stock = served
+    for spec in ("pixelprune", "tome"):
+        reconfigure(llm, {"methods": spec, "retention": 1.0})
+        for name in ("one image", "video, image"):
+            clear_caches(llm)
+            assert answer(llm, requests[name]) == stock[name], (spec, name)
+    request = image_request(llm.get_tokenizer(), [half_blank_picture()])
+    reconfigure(llm, {"methods": "random", "retention": 1.0})  # stock vLLM (above)
+    full, _, _ = answer(llm, request)
+    for spec in ("pixelprune", "tome", "pixelprune+random"):
+        config = ServeConfig.from_dict({"methods": spec, "retention": 0.25})
+        reconfigure(llm, config.to_dict())
+        clear_caches(llm)
+        vllm_models.LAST_KEPT_IMAGES.clear()
+        prompt, _, _ = answer(llm, request)
+        (kept,) = vllm_models.LAST_KEPT_IMAGES
+        t, h, w = kept["grid"]
+        assert len(kept["cells"]) == config.pipeline(FAMILY).for_images().retained_count(kept["grid"]) == 8, spec
+        assert len(prompt) == len(full) - t * h * w + 8, spec
+        if spec == "pixelprune+random":
+            continue
+        (hf,) = hf_image_cells(monkeypatch, FAMILY, spec, 0.25, config.serving_params())
+        assert torch.equal(kept["cells"], hf), spec
+        if spec == "pixelprune":
+            assert kept["cells"][kept["cells"] % w < w // 2].tolist() == [0]
+
+
 # --- LLaVA-OneVision: anyres images (a base view, then the crops packed into one grid with a newline per row) -------
 
 

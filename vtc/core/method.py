@@ -444,11 +444,11 @@ class MethodCard:
 
     @property
     def acts_on_images(self) -> bool:
-        """Images reach the method: it acts in the connect or prefill stage (the sample and encode stages act on
-        videos only: an image has no frames to draw and is encoded by the model's own image path) and does not need
-        time (`temporal`)."""
+        """Images reach the method: it does not need time (`temporal`) and is not a frame sampler (an image has no
+        frames to draw). Encode methods act in the tower's image call as in its video call, on the families where
+        they reduce the LLM's tokens (`Pipeline.for_images`)."""
         stages = self.stages
-        return not self.cls.temporal and not {"sample", "encode"} & set(stages) and bool(stages)
+        return not self.cls.temporal and "sample" not in stages and bool(stages)
 
     @property
     def fixed_count(self) -> bool:

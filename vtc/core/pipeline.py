@@ -155,14 +155,24 @@ def check_streaming(cards: list[MethodCard], streaming: bool, methods: Registry 
         )
 
 
-def _video_only_reason(card: MethodCard) -> str:
-    """Why a method leaves images alone (`MethodCard.acts_on_images`), in a few words."""
-    if card.acts_on_images:
+def _takes_images(entry: Entry, family: str) -> bool:
+    """Whether images reach this method on `family`: it acts on images (`MethodCard.acts_on_images`) and, if it acts
+    in the vision encoder, reduces the LLM's tokens there (on LLaVA, ToMe would only save tower compute: vtc encodes
+    images whole there)."""
+    if not entry.card.acts_on_images:
+        return False
+    return "encode" not in entry.card.stages or entry.method.reduces_llm_tokens(family)
+
+
+def _video_only_reason(entry: Entry, family: str) -> str:
+    """Why a method leaves images alone (`_takes_images`), in a few words."""
+    card = entry.card
+    if _takes_images(entry, family):
         return "takes images, but reduces no tokens"
     if "sample" in card.stages:
         return "samples the frames of videos"
-    if "encode" in card.stages:
-        return "acts in the model's video encoder"
+    if card.acts_on_images:  # an encode method that reduces no LLM token on this family
+        return f"on {family} it only saves vision-tower compute, which vtc does for videos only"
     return "needs time (frames of a video)"
 
 
@@ -300,14 +310,15 @@ class Pipeline:
         return [e.card.name for e in self.entries if e.card.acts_on_images]
 
     def for_images(self) -> Pipeline:
-        """The pipeline an image item goes through: the methods that act on images (connect and prefill methods
-        that need no time), the whole `retention` split over those that reduce tokens, so that an image, like a
-        video, reaches the LLM with `retention` of its tokens. Refuses a spec none of whose methods can reduce an
-        image, naming why (a sampler, an encode method or a temporal method), and the way out."""
+        """The pipeline an image item goes through: the methods that act on images (every stage but sampling, for
+        methods that need no time; encode methods where they reduce the LLM's tokens), the whole `retention` split
+        over those that reduce tokens, so that an image, like a video, reaches the LLM with `retention` of its
+        tokens. Refuses a spec none of whose methods can reduce an image, naming why (a sampler, a temporal method,
+        a tower-only encode method), and the way out."""
         image_pipeline = copy.copy(self)
-        image_pipeline.entries = [e for e in self.entries if e.card.acts_on_images]
+        image_pipeline.entries = [e for e in self.entries if _takes_images(e, self.family)]
         if not any(e.method.reduces_llm_tokens(self.family) for e in image_pipeline.entries):
-            why = "; ".join(f"{e.card.name}: {_video_only_reason(e.card)}" for e in self.entries)
+            why = "; ".join(f"{e.card.name}: {_video_only_reason(e, self.family)}" for e in self.entries)
             raise ValueError(
                 f"this prompt has an image, but no method of {self.spec!r} can reduce an image's tokens ({why}). "
                 "Add a method that acts on one image (e.g. 'visionzip', 'divprune', 'random' or 'fastv'), or pass "

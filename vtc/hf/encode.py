@@ -20,7 +20,7 @@ of a replaced forward.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -125,14 +125,19 @@ class EncodeStage:
         mean: tuple[float, ...],
         std: tuple[float, ...],
         seed: int = 0,
+        image_pipeline: Callable[[], Pipeline | None] | None = None,
     ) -> None:
         self.adapter = adapter
         self.pipeline = pipeline
+        self.image_pipeline = image_pipeline  # the pipeline of images (None: images pass whole), built on first use
         self.mean, self.std = tuple(mean), tuple(std)
         self.seed = seed
         self.enabled = True
         self.encoded: list[EncodedVideo] | None = None  # the last encoding call's videos, until the prefill takes them
+        self.encoded_images: list[EncodedVideo] | None = None  # the same for images (Qwen families)
         self._original = None
+        self._original_images = None
+        self._in_video_call = False  # Qwen3-VL's get_video_features calls get_image_features: that is a video
         self._original_tower = None
         self._llava_call: dict[str, Any] | None = None  # the video call in progress (LLaVA)
 
@@ -142,6 +147,9 @@ class EncodeStage:
         # instance attributes: other models (and this model's class) are untouched
         if "encode_units" in self.adapter.record.features:
             outer.get_video_features = self._get_video_features
+            if self.image_pipeline is not None:  # Qwen: an image is encoded as a video of one temporal patch
+                self._original_images = outer.get_image_features
+                outer.get_image_features = self._get_image_features
         else:  # LLaVA: the model's own get_video_features, whose tower call vtc answers (`_tower_forward`)
             outer.get_video_features = self._get_llava_video_features
             tower = self.adapter.vision_tower
@@ -150,45 +158,74 @@ class EncodeStage:
 
     def remove(self) -> None:
         outer = self.adapter.outer
-        for name in ("get_video_features",):
+        for name in ("get_video_features", "get_image_features"):
             if name in outer.__dict__:
                 del outer.__dict__[name]
         tower = self.adapter.vision_tower
         if "forward" in tower.__dict__:
             del tower.__dict__["forward"]
-        self.encoded = None
+        self.encoded = self.encoded_images = None
         self._llava_call = None
 
-    def take(self) -> list[EncodedVideo] | None:
-        """The videos of the last encoding call (once: a later prompt must encode its own)."""
+    def take(self, kind: str = "video") -> list[EncodedVideo] | None:
+        """The videos (or images) of the last encoding call (once: a later prompt must encode its own)."""
+        if kind == "image":
+            encoded, self.encoded_images = self.encoded_images, None
+            return encoded
         encoded, self.encoded = self.encoded, None
         return encoded
 
-    # --- the wrapped call -------------------------------------------------------------------------------------
+    # --- the wrapped calls ------------------------------------------------------------------------------------
     def _get_video_features(self, pixel_values_videos: Tensor, video_grid_thw: Tensor | None = None, **kwargs: Any):
         if not self.enabled or video_grid_thw is None:
             return self._original(pixel_values_videos, video_grid_thw, **kwargs)
+        if self.encoded_images is None:  # else this prompt's images began it (a Qwen forward encodes them first)
+            self.pipeline.begin_prompt()  # the prompt's processing starts here: its methods' ctx.state starts empty
+        self._in_video_call = True
+        try:
+            output, self.encoded = self._encode_units(
+                self.pipeline, self._original, pixel_values_videos, video_grid_thw, kwargs
+            )
+        finally:
+            self._in_video_call = False
+        return output
+
+    def _get_image_features(self, pixel_values: Tensor, image_grid_thw: Tensor | None = None, **kwargs: Any):
+        """Images through the image pipeline's encode methods (`Pipeline.for_images`), as videos of one temporal
+        patch: PixelPrune's official setting is exactly this (Qwen images)."""
+        images = self.enabled and image_grid_thw is not None and not self._in_video_call
+        pipeline = self.image_pipeline() if images else None
+        if pipeline is None or not pipeline.has_stage("encode"):
+            return self._original_images(pixel_values, image_grid_thw, **kwargs)
+        self.pipeline.begin_prompt()  # the prompt's first encoding call: its methods' ctx.state starts empty
+        pipeline.share_prompt_state(self.pipeline)
+        output, self.encoded_images = self._encode_units(
+            pipeline, self._original_images, pixel_values, image_grid_thw, kwargs
+        )
+        return output
+
+    def _encode_units(self, pipeline: Pipeline, original, pixels: Tensor, grid_thw: Tensor, kwargs: dict[str, Any]):
+        """One tower call of a Qwen model's videos (or images) with `pipeline`'s encode methods -> (the call's
+        output, what each item kept)."""
         adapter = self.adapter
         vision = adapter.model.config.vision_config
         merge = int(vision.spatial_merge_size)
         patch_shape = (int(vision.in_channels), int(vision.temporal_patch_size), int(vision.patch_size)) + (
             int(vision.patch_size),
         )
-        sizes = video_grid_thw.prod(-1).tolist()
-        ctx = Context(retention=self.pipeline.retention, family=adapter.family, geometry=adapter.geometry)
-        self.pipeline.begin_prompt()  # the prompt's processing starts here: its methods' ctx.state starts empty
+        sizes = grid_thw.prod(-1).tolist()
+        ctx = Context(retention=pipeline.retention, family=adapter.family, geometry=adapter.geometry)
         encoded: list[EncodedVideo] = []
-        for k, (rows, grid_thw) in enumerate(zip(torch.split(pixel_values_videos, sizes), video_grid_thw.tolist())):
-            patches = VideoPatches.from_rows(rows, grid_thw, merge, patch_shape, self.mean, self.std)
-            generator = torch.Generator(device="cpu").manual_seed(self.seed)  # afresh per video, as for connect
-            out, records = self.pipeline.run_encode(patches, ctx.replace(video_index=k, generator=generator))
+        for k, (rows, grid) in enumerate(zip(torch.split(pixels, sizes), grid_thw.tolist())):
+            patches = VideoPatches.from_rows(rows, grid, merge, patch_shape, self.mean, self.std)
+            generator = torch.Generator(device="cpu").manual_seed(self.seed)  # afresh per item, as for connect
+            out, records = pipeline.run_encode(patches, ctx.replace(video_index=k, generator=generator))
             encoded.append(EncodedVideo(patches.grid, out.kept, records))
-        self.encoded = encoded
-        if self.pipeline.tower_entries() and any(self.pipeline.changes_tower(e.grid) for e in encoded):
-            return self._encode_in_tower(pixel_values_videos, video_grid_thw, encoded, ctx, kwargs)
+        if pipeline.tower_entries() and any(pipeline.changes_tower(e.grid) for e in encoded):
+            return self._encode_in_tower(pipeline, pixels, grid_thw, encoded, ctx, kwargs), encoded
         if all(len(e.kept) == e.grid[0] * e.grid[1] * e.grid[2] for e in encoded):
-            return self._original(pixel_values_videos, video_grid_thw, **kwargs)
-        return self._encode_survivors(pixel_values_videos, video_grid_thw, [e.kept for e in encoded], kwargs)
+            return original(pixels, grid_thw, **kwargs), encoded
+        return self._encode_survivors(pixels, grid_thw, [e.kept for e in encoded], kwargs), encoded
 
     def _contexts(self, ctx: Context, videos: int) -> list[Context]:
         """One context per video, each with a generator seeded afresh (as the pre-tower and connect stages)."""
@@ -197,7 +234,9 @@ class EncodeStage:
             for k in range(videos)
         ]
 
-    def _encode_in_tower(self, pixels: Tensor, grid_thw: Tensor, encoded: list[EncodedVideo], ctx: Context, kwargs):
+    def _encode_in_tower(
+        self, pipeline: Pipeline, pixels: Tensor, grid_thw: Tensor, encoded: list[EncodedVideo], ctx: Context, kwargs
+    ):
         """The Qwen tower block by block with the tower methods (`vtc.hf.tower.QwenTower`) on what the pre-tower
         methods left; every surviving token is one LLM token at its own cell."""
         from vtc.hf.tower import QwenTower
@@ -208,7 +247,7 @@ class EncodeStage:
         def forward(hidden_states, grid_thw, **_):
             contexts = self._contexts(ctx, len(encoded))
             output, run = QwenTower(self.adapter).run(
-                hidden_states, grid_thw, [e.kept for e in encoded], self.pipeline, contexts
+                hidden_states, grid_thw, [e.kept for e in encoded], pipeline, contexts
             )
             runs.append(run)
             return output

@@ -176,7 +176,8 @@ class ModelPatch:
         if self.pipeline.has_stage("encode"):
             units = "encode_units" in adapter.record.features  # the pixels of merge units (pre-tower methods)
             mean, std = pixel_normalization(adapter, self.processor) if units else ((), ())
-            self.encode = EncodeStage(adapter, self.pipeline, mean, std, seed=self.seed)
+            images = (lambda: self._image_pipeline()) if self.images else None  # built when the first image comes
+            self.encode = EncodeStage(adapter, self.pipeline, mean, std, seed=self.seed, image_pipeline=images)
             self.encode.install()
         if self.pipeline.needs_prepool:
             self.prepool = adapter.prepool_capture()
@@ -397,9 +398,10 @@ class ModelPatch:
             row = captured.input_ids[b][mask[b].bool().to(captured.input_ids.device)]
             stats.frames.extend(self.prepared.get(tuple(row.tolist()), {}).get("frames", []))
         encoded = self._encoded_videos(videos)
+        encoded_images = self._encoded_images(images) if image_pipeline is not None else None
         vision = self._vision_stats(videos, images if image_pipeline is not None else [])
         prepool = self.prepool.per_video([s.grid[0] for s in videos]) if self.prepool is not None and videos else None
-        if encoded is None:  # with encode methods the prompt began in the tower call (their state carries on)
+        if encoded is None and encoded_images is None:  # else the prompt began in a tower call (its state carries on)
             self.pipeline.begin_prompt()  # every method's ctx.state starts empty for this prompt
         if image_pipeline is not None:
             image_pipeline.share_prompt_state(self.pipeline)  # a method's state is one per prompt, images included
@@ -414,9 +416,10 @@ class ModelPatch:
             if prepool is not None and is_video:
                 ctx = ctx.replace(prepool=prepool[span.video], pool=self.prepool.pool, project=self.prepool.projection)
             inputs = self._video_inputs(span, embeds, positions, deepstack)
-            if encoded is not None and is_video:
-                inputs["survivors"] = encoded[span.video].kept
-                inputs["survivor_weights"] = encoded[span.video].weight
+            item_encoded = encoded if is_video else encoded_images
+            if item_encoded is not None:
+                inputs["survivors"] = item_encoded[span.video].kept
+                inputs["survivor_weights"] = item_encoded[span.video].weight
             pipeline = self.pipeline if is_video else image_pipeline
             tokens, out = connect_video(pipeline, ctx=ctx, recorder=self.recorder, **inputs)
             changed |= out is not tokens  # plugins return their input untouched when they keep everything
@@ -487,13 +490,30 @@ class ModelPatch:
         if self.encode is None:
             return None
         encoded = self.encode.take()
+        if not spans and encoded is None:  # no video in this prompt
+            return None
+        return self._check_encoded(encoded, spans, self.pipeline, "video", "pixel_values_videos")
+
+    def _encoded_images(self, spans: list[VideoSpan]) -> list[EncodedVideo] | None:
+        """What the encode stage kept of each image of this prompt; None when the image pipeline has no encode
+        method (images then reach the connect stage whole)."""
+        if self.encode is None:
+            return None
+        encoded = self.encode.take("image")
+        pipeline = self._image_pipeline()
+        if not pipeline.has_stage("encode"):
+            return None
+        return self._check_encoded(encoded, spans, pipeline, "image", "pixel_values")
+
+    def _check_encoded(self, encoded, spans: list[VideoSpan], pipeline: Pipeline, kind: str, pixels: str):
+        """The encode stage's items must be this prompt's (their records go into the stats now that they exist)."""
         grids = [s.grid for s in spans]
         if encoded is None or [e.grid for e in encoded] != grids:
-            found = "no video" if encoded is None else f"videos of grids {[e.grid for e in encoded]}"
+            found = f"no {kind}" if encoded is None else f"{kind}s of grids {[e.grid for e in encoded]}"
             raise RuntimeError(
-                f"the encode stage ({', '.join(e.card.name for e in self.pipeline.stage_entries('encode'))}) saw "
-                f"{found}, but this prompt has videos of grids {grids}: vtc runs encode methods inside the model's "
-                "get_video_features, so pass pixel_values_videos (not precomputed features or inputs_embeds)"
+                f"the encode stage ({', '.join(e.card.name for e in pipeline.stage_entries('encode'))}) saw "
+                f"{found}, but this prompt has {kind}s of grids {grids}: vtc runs encode methods inside the model's "
+                f"get_{kind}_features, so pass {pixels} (not precomputed features or inputs_embeds)"
             )
         for e in encoded:
             for name, n_in, n_out, seconds, reports in e.records:

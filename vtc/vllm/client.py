@@ -32,14 +32,20 @@ def image_data_url(image: Any) -> str:
 def video_message(
     frames: np.ndarray | Sequence[np.ndarray], question: str, fps: int = 8, images: Sequence[Any] = ()
 ) -> dict[str, Any]:
-    """One user chat message: the video (or several, a list of frame arrays), then `images`, then the question.
-    The server compresses each video to its own count; images pass whole."""
+    """One user chat message: the video (or several, a list of frame arrays; none: `[]`), then `images`, then the
+    question. The server compresses each video and each image to its own count (images: unless it runs with
+    `"images": false`)."""
     videos = [frames] if isinstance(frames, np.ndarray) else list(frames)
     content: list[dict[str, Any]] = [
         {"type": "video_url", "video_url": {"url": video_data_url(v, fps)}} for v in videos
     ]
     content += [{"type": "image_url", "image_url": {"url": image_data_url(image)}} for image in images]
     return {"role": "user", "content": content + [{"type": "text", "text": question}]}
+
+
+def image_message(images: Sequence[Any], question: str) -> dict[str, Any]:
+    """One user chat message with images only (PIL images or [H, W, 3] uint8 arrays), then the question."""
+    return video_message([], question, images=images)
 
 
 def request_settings(

@@ -97,6 +97,7 @@ logger = init_logger("vllm.vtc")  # under vLLM's logger, so `vllm serve` shows i
 LAST_KEPT: list[dict[str, Any]] = []  # the grid cells each video kept, newest last (tests and debugging)
 SETTINGS_FIELD = "vtc_settings"  # per-video multimodal field: the request's own vtc settings, as JSON bytes
 IMAGE_SETTINGS_FIELD = "vtc_image_settings"  # the same, per image (the families whose images vtc compresses)
+IMAGE_KEPT_FIELD = "vtc_image_kept"  # per image: the merge units its encode stage kept (`KEPT_FIELD` of videos)
 LAST_KEPT_IMAGES: list[dict[str, Any]] = []  # the grid cells each image kept, newest last (tests and debugging)
 
 
@@ -169,10 +170,12 @@ class Serving:
         self._captures: dict[frozenset, EncoderStatsCapture] = {}
         self._prepool_capture: PrepoolCapture | None = None
         self._configs: list[ServeConfig] = []
-        self._kept: list[Tensor | None] = []
-        self._tower: list[tuple[Tensor, Tensor] | None] = []  # per video: (cells, sizes) the tower methods left
+        # per kind ("video", "image"), per item of this call: the units its pre-tower methods kept, the (cells, sizes)
+        # its tower methods left, its methods' ctx.state once its tower ran
+        self._kept: dict[str, list[Tensor | None]] = {"video": [], "image": []}
+        self._tower: dict[str, list[tuple[Tensor, Tensor] | None]] = {"video": [], "image": []}
+        self._tower_state: dict[str, list[dict | None]] = {"video": [], "image": []}
         self._frame_tokens: list[TowerTokens | None] = []  # per video: what a SigLIP / CLIP tower's methods left
-        self._tower_state: list[dict | None] = []  # per video: its methods' ctx.state once its tower ran
         self._vision: list[dict] = []
         self._image_configs: list[ServeConfig] = []  # per image of this call (`begin_images`)
         self._image_vision: list[dict] = []
@@ -215,8 +218,8 @@ class Serving:
         merge units its encode stage kept (`vtc_kept`, ascending; absent: every unit, as in vLLM's profiling)."""
         rows = [] if settings is None else list(settings)
         self._configs = [request_config(self.config, decode_settings(row)) for row in rows]
-        self._kept = [] if kept is None else [torch.as_tensor(k, dtype=torch.long).flatten().cpu() for k in kept]
-        self._tower, self._frame_tokens, self._tower_state = [], [], []
+        self._kept["video"] = _kept_units(kept)
+        self._tower["video"], self._frame_tokens, self._tower_state["video"] = [], [], []
 
     def config_of(self, index: int) -> ServeConfig:
         return self._configs[index] if index < len(self._configs) else self.config
@@ -234,11 +237,14 @@ class Serving:
         )
 
     # --- images (the families whose images vtc compresses) -------------------------------------------------------
-    def begin_images(self, settings: Any) -> None:
-        """The settings of each image of this `embed_multimodal` call (`vtc_image_settings`; absent: the server's)."""
+    def begin_images(self, settings: Any, kept: Any = None) -> None:
+        """The settings of each image of this `embed_multimodal` call (`vtc_image_settings`; absent: the server's)
+        and the merge units its encode stage kept (`vtc_image_kept`; absent: every unit)."""
         rows = [] if settings is None else list(settings)
         self._image_configs = [request_config(self.config, decode_settings(row)) for row in rows]
         self._image_vision = []
+        self._kept["image"] = _kept_units(kept)
+        self._tower["image"], self._tower_state["image"] = [], []
 
     def image_config_of(self, index: int) -> ServeConfig:
         return self._image_configs[index] if index < len(self._image_configs) else self.config
@@ -280,14 +286,29 @@ class Serving:
         ctx = self._context(pipeline, index, self.image_config_of(index), media="image", vision=vision)
         if geometry is not None:
             ctx = ctx.replace(geometry=geometry)
-        pipeline.begin_prompt()
-        _, out = connect_video(pipeline, embeds, grid, ctx, extras=extras)
-        promised = pipeline.retained_count(grid)
+        states = self._tower_state["image"]
+        pipeline.begin_prompt(states[index] if index < len(states) else None)
+        survivors, weights = self.survivors_of(index, grid, "image")
+        _, out = connect_video(
+            pipeline, embeds, grid, ctx, extras=extras, survivors=survivors, survivor_weights=weights
+        )
+        promised = pipeline.retained_count(
+            grid, encoded=encoded_count(pipeline, self.kept_of(index, grid, "image"), grid)
+        )
         if promised is not None and promised != len(out):
             raise RuntimeError(
                 f"vtc: {pipeline.spec!r} promised {promised} tokens for an image with grid {grid} but kept {len(out)}; "
                 f"the prompt was sized for {promised}"
             )
+        logger.info(
+            "vtc %s: image %d%s, grid %s: kept %d of %d tokens",
+            pipeline.spec,
+            index,
+            f" ({view} view)" if view else "",
+            grid,
+            len(out),
+            len(embeds),
+        )
         embeds_out, cells, extras_out = _same_on_every_rank(out.embeds, grid_cells(out), out.extras)
         LAST_KEPT_IMAGES.append(
             {"family": self.family, "grid": grid, "view": view, "cells": torch.sort(cells).values.cpu()}
@@ -299,19 +320,29 @@ class Serving:
         """The vision statistics image `index` of this call was encoded with (per view on LLaVA: [views, ...])."""
         return self._image_vision[index] if index < len(self._image_vision) else {}
 
-    def kept_of(self, index: int, grid: tuple[int, int, int]) -> Tensor | None:
-        """The units video `index` of this call keeps before the tower; None when it keeps all of them."""
-        kept = self._kept[index] if index < len(self._kept) else None
+    def kept_of(self, index: int, grid: tuple[int, int, int], kind: str = "video") -> Tensor | None:
+        """The units video (or image) `index` of this call keeps before the tower; None when it keeps all of them."""
+        kept = self._kept[kind][index] if index < len(self._kept[kind]) else None
         return None if kept is None or kept.numel() == grid[0] * grid[1] * grid[2] else kept
 
-    def encode_run(self, run, visual, pixels: Tensor, grid_thw: Tensor, grids: list[tuple[int, int, int]]):
-        """The tower call of these videos: vLLM's tower block by block with the tower methods between its blocks when
-        they change some video (`vtc.vllm.tower`); else `run` (vLLM's own) when every unit of every video survived
-        the pre-tower methods (bit for bit stock), else vLLM's tower on the survivors' patches alone
+    def _encode_pipelines(self, kind: str, count: int) -> list[Pipeline | None]:
+        """The pipeline of each item of this call (None: an image passing whole, `"images": false`)."""
+        if kind == "image":
+            return [self.image_pipeline_of(k) for k in range(count)]
+        return [config_pipeline(self.config_of(k), self.family) for k in range(count)]
+
+    def encode_run(
+        self, run, visual, pixels: Tensor, grid_thw: Tensor, grids: list[tuple[int, int, int]], kind: str = "video"
+    ):
+        """The tower call of these videos (or images): vLLM's tower block by block with the tower methods between its
+        blocks when they change some item (`vtc.vllm.tower`); else `run` (vLLM's own) when every unit of every item
+        survived the pre-tower methods (bit for bit stock), else vLLM's tower on the survivors' patches alone
         (`vtc.vllm.encode`)."""
-        pipelines = [config_pipeline(self.config_of(k), self.family) for k in range(len(grids))]
-        kept = [self.kept_of(k, grid) for k, grid in enumerate(grids)]
-        self._tower, self._tower_state = [None] * len(grids), [None] * len(grids)
+        pipelines = self._encode_pipelines(kind, len(grids))
+        kept = [self.kept_of(k, grid, kind) for k, grid in enumerate(grids)]
+        self._tower[kind], self._tower_state[kind] = [None] * len(grids), [None] * len(grids)
+        if None in pipelines:  # images pass whole (a server-wide setting: every image of the call alike)
+            return run
         in_tower = any(p.tower_entries() and p.changes_tower(g) for p, g in zip(pipelines, grids))
         if not in_tower and all(k is None for k in kept):
             return run
@@ -320,10 +351,10 @@ class Serving:
             return functools.partial(encode_survivors, visual, self.family, pixels, grid_thw, kept)
         if pixels is None:  # the processor refuses these requests; the worker cannot merge inside a tower it skips
             raise RuntimeError(f"vtc: {pipelines[0].spec!r} merges inside the vision tower, which needs the pixels")
-        return functools.partial(self._encode_in_tower, visual, pixels, grid_thw, kept, pipelines)
+        return functools.partial(self._encode_in_tower, visual, pixels, grid_thw, kept, pipelines, kind)
 
     def _encode_in_tower(
-        self, visual, pixels: Tensor, grid_thw: Tensor, kept: list[Tensor], pipelines: list[Pipeline]
+        self, visual, pixels: Tensor, grid_thw: Tensor, kept: list[Tensor], pipelines: list[Pipeline], kind: str
     ) -> tuple[Tensor, ...]:
         """vLLM's tower block by block on the videos' surviving units, with each video's tower methods: videos with the
         same settings in one run (a run has one pipeline). Per video, its output on the whole unit grid; what the tower
@@ -335,7 +366,8 @@ class Serving:
         out: list[Tensor | None] = [None] * len(kept)
         for pipeline in dict.fromkeys(pipelines):  # in order of first appearance
             videos = [k for k, p in enumerate(pipelines) if p is pipeline]
-            ctxs = [self._context(pipeline, k, self.config_of(k)) for k in videos]
+            configs = [self.image_config_of(k) if kind == "image" else self.config_of(k) for k in videos]
+            ctxs = [self._context(pipeline, k, c, media=kind) for k, c in zip(videos, configs)]
             pipeline.begin_prompt()
             visual.forward = functools.partial(tower.run, kept=[kept[k] for k in videos], pipeline=pipeline, ctxs=ctxs)
             try:  # through the module call, so hooks on the tower (timers, profilers) see it run
@@ -345,12 +377,13 @@ class Serving:
             state = pipeline.prompt_state()  # what the tower methods left for these videos' connect calls
             for k, feature, tokens in zip(videos, features, run.tokens):
                 order = torch.argsort(tokens.cell)
-                self._tower[k] = (tokens.cell[order].cpu(), tokens.size[order].cpu())
-                self._tower_state[k] = state
+                self._tower[kind][k] = (tokens.cell[order].cpu(), tokens.size[order].cpu())
+                self._tower_state[kind][k] = state
                 out[k] = feature
                 logger.info(
-                    "vtc %s: video %d: the vision tower's methods kept %d of %d units",
+                    "vtc %s: %s %d: the vision tower's methods kept %d of %d units",
                     pipeline.spec,
+                    kind,
                     k,
                     len(tokens),
                     kept[k].numel(),
@@ -363,7 +396,7 @@ class Serving:
         forward answered block by block (`vtc.vllm.tower.VllmFrameTower`) for the videos whose methods change it;
         the model's own projector and pooling then run on what it returns, as on the HF backend."""
         pipelines = [config_pipeline(self.config_of(k), self.family) for k in range(len(frames))]
-        self._frame_tokens, self._tower_state = [None] * len(frames), [None] * len(frames)
+        self._frame_tokens, self._tower_state["video"] = [None] * len(frames), [None] * len(frames)
         side = tower.vision_model.config.image_size // tower.vision_model.config.patch_size
         changes = [bool(p.tower_entries()) and p.changes_tower((f, side, side)) for p, f in zip(pipelines, frames)]
         if not any(changes):
@@ -426,7 +459,7 @@ class Serving:
                 state = pipeline.prompt_state()  # GRT's gate record: its connect hook reads it
                 for k, feature, tokens in zip(videos, features, run.tokens):
                     out[k] = frame_tower.output(feature, feature_select_strategy)
-                    self._frame_tokens[k], self._tower_state[k] = tokens, state
+                    self._frame_tokens[k], self._tower_state["video"][k] = tokens, state
                     logger.info(
                         "vtc %s: video %d: the vision tower's methods kept %d of %d tokens (unmerged onto every "
                         "frame's grid before the pooling)",
@@ -437,16 +470,19 @@ class Serving:
                     )
         return torch.cat(out)
 
-    def survivors_of(self, index: int, grid: tuple[int, int, int]) -> tuple[Tensor | None, Tensor | None]:
+    def survivors_of(
+        self, index: int, grid: tuple[int, int, int], kind: str = "video"
+    ) -> tuple[Tensor | None, Tensor | None]:
         """The cells video `index` of this call hands its connect stage and how many units each stands for: what the
         tower methods left (their sizes; on SigLIP / CLIP every cell of the frames that kept tokens of their own,
         each standing for the frames its frame holds, as on the HF backend), else what the pre-tower methods kept
         (one each); (None, None): every cell."""
-        frame_tokens = self._frame_tokens[index] if index < len(self._frame_tokens) else None
+        frame_tokens = self._frame_tokens[index] if kind == "video" and index < len(self._frame_tokens) else None
         if frame_tokens is not None:
             return pooled_survivors(frame_tokens, grid[1] * grid[2])
-        tower = self._tower[index] if index < len(self._tower) else None
-        return tower if tower is not None else (self.kept_of(index, grid), None)
+        towers = self._tower[kind]
+        tower = towers[index] if index < len(towers) else None
+        return tower if tower is not None else (self.kept_of(index, grid, kind), None)
 
     def encode(self, run, grids: list[tuple[int, int, int]], grid_thw: Tensor | None = None):
         """Run the vision encoder (`run()`), capturing what the connect methods of these videos read."""
@@ -501,7 +537,8 @@ class Serving:
         if any(e.card.reads_lm_head for e in pipeline.entries):
             ctx = ctx.replace(model=self.served_model or ServedModel(self.model))
         # the video's own state: fresh, or what its tower methods left in this call (GRT's gate record)
-        pipeline.begin_prompt(self._tower_state[index] if index < len(self._tower_state) else None)
+        states = self._tower_state["video"]
+        pipeline.begin_prompt(states[index] if index < len(states) else None)
         survivors, weights = self.survivors_of(index, grid)
         _, out = connect_video(
             pipeline,
@@ -537,6 +574,11 @@ class Serving:
         del LAST_KEPT[:-64]
         kept_extras = {name: value[order] for name, value in extras_out.items()}
         return embeds_out[order].to(embeds.dtype), cells[order], kept_extras
+
+
+def _kept_units(kept: Any) -> list[Tensor | None]:
+    """Each item's kept merge units as the processor sent them (`vtc_kept` / `vtc_image_kept`), ascending longs."""
+    return [] if kept is None else [torch.as_tensor(k, dtype=torch.long).flatten().cpu() for k in kept]
 
 
 class ServedModel:
@@ -712,33 +754,47 @@ class _VtcProcessor:
         for name in (SETTINGS_FIELD, KEPT_FIELD):
             if name in hf_inputs:
                 fields[name] = MultiModalFieldConfig.batched("video", keep_on_cpu=True)
-        if IMAGE_SETTINGS_FIELD in hf_inputs:
-            fields[IMAGE_SETTINGS_FIELD] = MultiModalFieldConfig.batched("image", keep_on_cpu=True)
+        for name in (IMAGE_SETTINGS_FIELD, IMAGE_KEPT_FIELD):
+            if name in hf_inputs:
+                fields[name] = MultiModalFieldConfig.batched("image", keep_on_cpu=True)
         return fields
 
     # --- the encode stage (vtc.vllm.encode) ---------------------------------------------------------------------
     def _postprocess_hf_mm_data(self, mm_inputs, hf_processor_mm_kwargs, processed_data):
-        """Run the encode methods on each video's pixels, once the HF processor made them: the kept merge units go
-        with the video (`vtc_kept`) and size its placeholders. Not while vLLM profiles: its dummy videos then keep
-        every unit, the worst case it measures."""
+        """Run the encode methods on each video's (and each image's) pixels, once the HF processor made them: the kept
+        merge units go with the item (`vtc_kept`, `vtc_image_kept`) and size its placeholders. Not while vLLM
+        profiles: its dummy items then keep every unit, the worst case it measures."""
         processed_data = super()._postprocess_hf_mm_data(mm_inputs, hf_processor_mm_kwargs, processed_data)
         server = server_config(self.info.get_hf_config())
-        if server is None or self._profiling or "pixel_values_videos" not in processed_data:
+        if server is None or self._profiling:
             return processed_data
-        if not config_pipeline(server, self.family).pre_tower_entries():
-            return processed_data  # tower methods alone keep every unit before the tower: the worker runs them
-        grid_thw = processed_data["video_grid_thw"]
-        settings = processed_data.get(SETTINGS_FIELD)
+        if "pixel_values_videos" in processed_data:
+            self._choose_units(processed_data, server, "video")
+        if "pixel_values" in processed_data and "image_grid_thw" in processed_data and self.compresses_images:
+            self._choose_units(processed_data, server, "image")
+        return processed_data
+
+    def _choose_units(self, processed_data, server: ServeConfig, kind: str) -> None:
+        """The pre-tower encode methods of each video (or image) on its pixels -> its kept units, in the item's
+        kept field. Nothing when no item's pipeline has a pre-tower method (tower methods run in the worker)."""
+        video = kind == "video"
+        served = config_pipeline(server, self.family) if video else image_pipeline(server, self.family)
+        if served is None or not served.pre_tower_entries():  # a request may change settings, not methods
+            return
+        grid_thw = processed_data["video_grid_thw" if video else "image_grid_thw"]
+        settings = processed_data.get(SETTINGS_FIELD if video else IMAGE_SETTINGS_FIELD)
         rows = [None] * len(grid_thw) if settings is None else list(settings)
         configs = [request_config(server, {} if row is None else decode_settings(row)) for row in rows]
+        pipelines = [config_pipeline(c, self.family) if video else image_pipeline(c, self.family) for c in configs]
         hf_config = self.info.get_hf_config()
+        hf_processor = self.info.get_hf_processor()
         kept = choose_units(
-            [config_pipeline(c, self.family) for c in configs],
+            pipelines,
             [c.seed for c in configs],
-            processed_data["pixel_values_videos"],
+            processed_data["pixel_values_videos" if video else "pixel_values"],
             grid_thw,
             vision_config=hf_config.vision_config,
-            video_processor=self.info.get_hf_processor().video_processor,
+            video_processor=hf_processor.video_processor if video else hf_processor.image_processor,
             family=self.family,
             geometry=_geometry(self.family, hf_config),
         )
@@ -746,28 +802,31 @@ class _VtcProcessor:
         for k, (units, size) in enumerate(zip(kept, grid_thw.tolist())):
             grid = _qwen_grid(size, merge)
             logger.info(
-                "vtc %s: video %d, grid %s: the encode stage kept %d of %d units (prompt processor)",
+                "vtc %s: %s %d, grid %s: the encode stage kept %d of %d units (prompt processor)",
                 configs[k].methods,
+                kind,
                 k,
                 grid,
                 units.numel(),
                 grid[0] * grid[1] * grid[2],
             )
-        processed_data[KEPT_FIELD] = kept
-        return processed_data
+        processed_data[KEPT_FIELD if video else IMAGE_KEPT_FIELD] = kept
 
-    def _item_kept(self, item) -> Tensor | None:
+    def _item_kept(self, item, field: str = KEPT_FIELD) -> Tensor | None:
         """The merge units an item's pre-tower methods kept (None: the processor ran none on it)."""
-        return item[KEPT_FIELD].data if KEPT_FIELD in item else None
+        return item[field].data if field in item else None
 
-    def _item_count(self, pipeline: Pipeline, item, grid: tuple[int, int, int]) -> int:
-        """The video's placeholders: its count from the pre-tower methods' survivors and the grid."""
-        if pipeline.tower_entries() and "pixel_values_videos" not in item:
+    def _item_count(self, pipeline: Pipeline, item, grid: tuple[int, int, int], kind: str = "video") -> int | None:
+        """The item's placeholders: its count from the pre-tower methods' survivors and the grid (None: the count
+        depends on the content)."""
+        pixels = "pixel_values_videos" if kind == "video" else "pixel_values"
+        if (pipeline.tower_entries() or pipeline.pre_tower_entries()) and pixels not in item:
             raise ValueError(
-                f"{pipeline.spec!r} merges tokens inside the vision tower, which needs the video's pixels; this server "
-                "does not take video embeddings"
+                f"{pipeline.spec!r} acts in the vision encoder, which needs the {kind}'s pixels; this server does not "
+                f"take {kind} embeddings"
             )
-        return pipeline.retained_count(grid, encoded=encoded_count(pipeline, self._item_kept(item), grid))
+        kept = self._item_kept(item, KEPT_FIELD if kind == "video" else IMAGE_KEPT_FIELD)
+        return pipeline.retained_count(grid, encoded=encoded_count(pipeline, kept, grid))
 
     def _item_pipeline(self, item) -> Pipeline:
         server = server_config(self.info.get_hf_config())
@@ -846,7 +905,7 @@ class _QwenImages:
     def _image_replacement(self, item_idx, original, pipeline, item):
         merge = self.info.get_hf_config().vision_config.spatial_merge_size
         grid = _qwen_grid(item["image_grid_thw"].data.tolist(), merge)
-        count = pipeline.retained_count(grid)
+        count = self._item_count(pipeline, item, grid, "image")
         if count is None:
             raise ValueError(
                 f"{pipeline.spec!r} has no fixed count for an image of grid {grid}; a server sizes the prompt before "
@@ -978,9 +1037,10 @@ class _ServingModel:
         settings = kwargs.pop(SETTINGS_FIELD, None)
         kept = kwargs.pop(KEPT_FIELD, None)
         image_settings = kwargs.pop(IMAGE_SETTINGS_FIELD, None)
+        image_kept = kwargs.pop(IMAGE_KEPT_FIELD, None)
         if self.vtc is not None:
             self.vtc.begin_call(settings, kept)
-            self.vtc.begin_images(image_settings)
+            self.vtc.begin_images(image_settings, image_kept)
         return super().embed_multimodal(**kwargs)
 
 
@@ -1051,6 +1111,8 @@ class _MRopeServing(_ServingModel):
         grids = [_qwen_grid(size, merge) for size in grid_thw.tolist()]
         if not self.compresses_images:
             return tuple(append_positions(emb, grid_positions(grid)) for emb, grid in zip(run(), grids))
+        # the image's encode methods (PixelPrune's survivors, ToMe's merges) as for a video of one temporal patch
+        run = self.vtc.encode_run(run, self.visual, image_input.get("pixel_values"), grid_thw, grids, "image")
         out = []
         for k, (emb, grid) in enumerate(zip(self.vtc.encode_images(run, grids, grid_thw), grids)):
             kept, cells = self._compress_image(emb, grid, k)
