@@ -250,6 +250,27 @@ def test_stream_errors_are_clear(capsys):
     assert "increasing" in capsys.readouterr().out
 
 
+def test_bench_on_an_image_prompt(tmp_path, capsys):
+    """`vtc bench --image slide`: the request is one generated image (576 tokens on the Qwen towers); pixelprune and
+    tome act on it before and inside the tower and keep a quarter; an image beside --video, or on the vLLM bench,
+    is refused."""
+    args = ["bench", "--size", "tiny", "--family", "qwen2_5_vl", "--image", "slide", "--repeats", "1"]
+    args += ["--methods", "pixelprune,tome", "--retentions", "0.25", "--out", str(tmp_path)]
+    assert main(args) == 0
+    assert "image: slide, 576 visual" in capsys.readouterr().out
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["video"] == "image: slide" and report["frames"] == 0 and report["visual_tokens"] == 576
+    assert {(r["method"], r["tokens_llm"], r["frames_shown"]) for r in report["results"]} == {
+        ("none", 576, 0),
+        ("pixelprune", 144, 0),
+        ("tome", 144, 0),
+    }
+    assert main(["bench", "--size", "tiny", "--image", "slide", "--video", "static"]) == 2
+    assert "one video or one image, not both" in capsys.readouterr().out
+    assert main(["bench", "--backend", "vllm", "--image", "slide"]) == 2
+    assert "--image: only with --backend hf" in capsys.readouterr().out
+
+
 def test_bench_stream_writes_table_json_and_plot(tmp_path, monkeypatch, capsys):
     import vtc.tools.bench_stream
     from vtc.testing import tiny

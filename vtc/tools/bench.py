@@ -39,11 +39,13 @@ import vtc
 from vtc.hf.loading import load_model
 from vtc.hf.timing import LLMTimer, VisionTimer, peak_memory_mb, plain_prefill_seconds, synchronize
 from vtc.media.encoders import FEATURE_CACHE
+from vtc.media.inputs import image_inputs
 from vtc.testing.tiny import RELEASED_SIZES, SIZES
 from vtc.tools.loading import build_random_model, demo_clip
 from vtc.tools.progress import progress_bar
 
 BENCH_QUESTION = "What happens in this video?"
+BENCH_IMAGE_QUESTION = "What is in this picture?"
 
 # measured on the 2-core CI-class machine (docs/benchmarks.md, "How noisy is it"): the median efficiency of
 # this many repeats stays within +-5 % between runs; fewer repeats did not
@@ -110,11 +112,13 @@ def _measure(
     params: dict[str, Any],
     memory: bool,
     layer_scale: float = 1.0,
+    image: Any = None,
 ) -> dict[str, Any]:
     """One request, timed stage by stage: the inputs built from the video (`handle.prepare`: the sample stage,
-    decoding and the processor), then `generate(max_new_tokens=1)` with the vision tower and the LLM timed inside
-    it. With `memory`, also one untimed pass measuring the peak memory of the same call. The LLM's time is
-    multiplied by `layer_scale` (released depth / built depth) in the prefill, limit and TTFT figures."""
+    decoding and the processor; with `image`, the processor on that image alone), then `generate(max_new_tokens=1)`
+    with the vision tower and the LLM timed inside it. With `memory`, also one untimed pass measuring the peak memory
+    of the same call. The LLM's time is multiplied by `layer_scale` (released depth / built depth) in the prefill,
+    limit and TTFT figures."""
     handle = vtc.patch(model, spec, retention=retention, **params_for(spec, params)) if spec else None
     sample_s = 0.0
     device = next(model.parameters()).device
@@ -123,7 +127,9 @@ def _measure(
     FEATURE_CACHE.clear()
     try:
         start = time.perf_counter()
-        if handle is not None:
+        if image is not None:
+            inputs = image_inputs(processor, [image], BENCH_IMAGE_QUESTION)
+        elif handle is not None:
             inputs = handle.prepare(processor, video, BENCH_QUESTION, num_frames=frames)
         else:
             inputs = vtc.prepare_inputs(processor, video, BENCH_QUESTION, "uniform", num_frames=frames)
@@ -146,6 +152,7 @@ def _measure(
     if stats is not None and stats.frames:
         sample_s = sum(f.seconds for f in stats.frames)
     prefill = timer.first
+    shown = int(sum(len(f.indices) for f in stats.frames) if stats and stats.frames else frames)
     row = {
         "prefill_s": prefill * layer_scale,
         "generate_s": generate_s,
@@ -154,7 +161,7 @@ def _measure(
         "decode_s": prepare_s - sample_s,
         # what a user waits for: the inputs, the tower, the connect stage and the whole LLM's prefill
         "ttft_s": prepare_s + generate_s + (layer_scale - 1.0) * prefill,
-        "frames_shown": int(sum(len(f.indices) for f in stats.frames) if stats and stats.frames else frames),
+        "frames_shown": shown,
     }
     if peak is not None:
         row["peak_mb"] = peak
@@ -215,6 +222,22 @@ def summarize(rows: list[dict[str, Any]], base_rows: list[dict[str, Any]]) -> di
 
 
 GENERATED_VIDEOS = ("demo", "static")
+GENERATED_IMAGES = ("slide",)
+
+
+def bench_image(image: str):
+    """An image path as given, or a generated one: "slide" (672 x 672 px: the first frame of
+    `vtc.media.video.static_clip`, flat panels, a title bar, a textured picture and a small red square; 576 tokens
+    on the Qwen towers, as 8 frames of 224 px)."""
+    if image == "slide":
+        from vtc.media.video import static_clip
+
+        return static_clip(1, 672, 672)[0]
+    from PIL import Image
+
+    if not os.path.exists(image):
+        raise ValueError(f"--image {image!r}: no such file (or a generated one: {', '.join(GENERATED_IMAGES)})")
+    return Image.open(image).convert("RGB")
 
 
 def bench_video(video: str | None):
@@ -243,9 +266,12 @@ def bench(
     params: dict[str, Any] | None = None,
     dtype: str = "float32",
     console: Console | None = None,
+    image: str | None = None,
 ) -> dict[str, Any]:
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
+    if image is not None and video is not None:
+        raise ValueError("--image and --video: a bench request holds one video or one image, not both")
     console = console or Console()
     params = dict(params or {})
     layer_scale, released = 1.0, model is not None
@@ -262,9 +288,14 @@ def bench(
         with console.status(f"loading {model}"):
             net, processor = load_model(model, dtype=dtype)
         name = model
-    video_name = video or "demo"
-    video = bench_video(video)
-    inputs = vtc.prepare_inputs(processor, video, BENCH_QUESTION, "uniform", num_frames=frames)
+    picture = bench_image(image) if image is not None else None
+    video_name = f"image: {image}" if image is not None else video or "demo"
+    video = bench_video(video) if image is None else None
+    if picture is not None:
+        frames = 0
+        inputs = image_inputs(processor, [picture], BENCH_IMAGE_QUESTION)
+    else:
+        inputs = vtc.prepare_inputs(processor, video, BENCH_QUESTION, "uniform", num_frames=frames)
     inputs = inputs.to(next(net.parameters()).device)
     num_layers = len(vtc.api.resolve_adapter(net).decoder_layers)
 
@@ -289,9 +320,19 @@ def bench(
             load.append(os.getloadavg()[0] if hasattr(os, "getloadavg") else None)
             for label, spec, retention in configs:
                 progress.update(task, description=f"{label} @ {retention if retention else 1.0}")
-                shown, method_retention = frame_budget(spec, retention, frames)
+                # an image has no frames to sample: its methods share the whole retention (`Pipeline.for_images`)
+                shown, method_retention = frame_budget(spec, retention, frames) if picture is None else (0, retention)
                 row = _measure(
-                    net, processor, video, shown, spec, method_retention, params, rep == 0, layer_scale=layer_scale
+                    net,
+                    processor,
+                    video,
+                    shown,
+                    spec,
+                    method_retention,
+                    params,
+                    rep == 0,
+                    layer_scale=layer_scale,
+                    image=picture,
                 )
                 row.setdefault("tokens_in", visual)
                 row.setdefault("tokens_llm", visual)
@@ -430,8 +471,9 @@ def _columns(report: dict[str, Any], headers) -> list[str]:
 def _title(report: dict[str, Any]) -> str:
     n = report["repeats"]
     stat = "one repeat" if n == 1 else f"median (min–max) of {n} repeats"
+    media = f"{report['frames']} frames" if report["frames"] else report["video"]
     title = (
-        f"{report['model']}: {report['frames']} frames, {report['visual_tokens']} visual + {report['text_tokens']} "
+        f"{report['model']}: {media}, {report['visual_tokens']} visual + {report['text_tokens']} "
         f"text tokens, {report['num_layers']} LLM layers, {stat}"
     )
     return title if report.get("released_tower", True) else f"{title} (toy vision tower)"

@@ -110,7 +110,7 @@ BENCH_DEFAULTS = {
         family="qwen2_5_vl", size="bench12", methods="vidcom2", retentions="0.5,0.25,0.15", frames=32, repeats=2
     ),
 }
-HF_ONLY_BENCH_OPTIONS = ("video", "dtype")
+HF_ONLY_BENCH_OPTIONS = ("video", "image", "dtype")
 
 
 def cmd_bench(args, console: Console) -> int:
@@ -161,6 +161,7 @@ def cmd_bench(args, console: Console) -> int:
     bench(
         model=args.model,
         video=args.video,
+        image=args.image,
         family=args.family,
         size=args.size,
         methods=methods,
@@ -350,6 +351,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--video",
         help="video file, or a generated clip: demo (default: moving shapes, scene cuts) or static (a still "
         "background with a small moving square; hf only)",
+    )
+    bench.add_argument(
+        "--image",
+        help="bench an image prompt instead of a video (hf only): an image file, or slide (a generated 672 px "
+        "slide-like picture: 576 tokens on the Qwen towers)",
     )
     bench.add_argument("--family", help="family of the random model (default qwen2_vl; vllm: qwen2_5_vl)")
     bench.add_argument(
