@@ -149,6 +149,24 @@ def matrix_half(k: int) -> list:
     return [case for case in conformance.cases() if case.family in families]
 
 
+def record_kept_cells(monkeypatch) -> list[torch.Tensor]:
+    """The grid cells every `connect_video` call of the HF backend keeps (ascending), one entry per item, in the order
+    the prefill compresses them: what a test compares with the cells a vLLM server keeps."""
+    import vtc.hf.patching
+    from vtc.core.engine import grid_cells
+
+    kept: list[torch.Tensor] = []
+    original = vtc.hf.patching.connect_video
+
+    def recording(*args, **kwargs):
+        tokens, out = original(*args, **kwargs)
+        kept.append(grid_cells(out).sort().values.cpu())
+        return tokens, out
+
+    monkeypatch.setattr(vtc.hf.patching, "connect_video", recording)
+    return kept
+
+
 def record_survivors(monkeypatch) -> list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]:
     """Every `connect_video` call of the HF and the vLLM backend, recorded as (the encode stage's surviving cells,
     their weights or None, their features with Qwen3-VL's DeepStack taps appended), so a test compares what the two

@@ -466,16 +466,35 @@ def test_pareto_front():
     ]
 
 
+def stock_lmms_vllm(name: str, path: str, vtc_config: dict, options: str, limits: dict, limit: int) -> dict:
+    """lmms-eval's own vLLM model `name` on the local task, with vtc's config in its additional_config (in this
+    process, fp32 on CPU) -> lmms-eval's results."""
+    from vtc.testing.serving import CPU_ENV, shutdown
+
+    for key, value in CPU_ENV.items():
+        os.environ.setdefault(key, value)
+    from lmms_eval.evaluator import simple_evaluate
+    from lmms_eval.models import get_model
+    from lmms_eval.tasks import TaskManager
+
+    args = (
+        f"model={path},additional_config={json.dumps({'vtc': vtc_config})},{options},dtype=float32,"
+        "enforce_eager=True,max_model_len=8192,distributed_executor_backend=uni,kv_cache_memory_bytes=268435456,"
+        f"limit_mm_per_prompt={json.dumps(limits)}"
+    )
+    lm = get_model(name).create_from_arg_string(args, {})
+    manager = TaskManager(verbosity="ERROR", include_path=TASK_DIR)
+    try:
+        return simple_evaluate(model=lm, tasks=[TASK], batch_size=1, limit=limit, task_manager=manager)
+    finally:
+        shutdown(lm.client)
+
+
 def test_vllm_backend_through_lmms_eval_agrees_with_the_hf_backend(tmp_path):
     """lmms-eval's own `vllm_generate` model (it sends videos as videos) with vtc's additional_config: vLLM keeps
     per document the counts the HF backend keeps on the same task. Qwen3-VL: lmms-eval 0.7.3's vllm_generate
     passes video metadata to vLLM only for Qwen3-VL, and vLLM 0.32 requires it for every Qwen family."""
-    from vtc.testing.serving import CPU_ENV, shutdown
-
-    for name, value in CPU_ENV.items():
-        os.environ.setdefault(name, value)
     from lmms_eval.evaluator import simple_evaluate
-    from lmms_eval.models import get_model
     from lmms_eval.tasks import TaskManager
 
     from vtc.lmms_eval.model import VtcModel
@@ -483,23 +502,20 @@ def test_vllm_backend_through_lmms_eval_agrees_with_the_hf_backend(tmp_path):
 
     path = str(tmp_path / "qwen3_vl")
     tiny.save("qwen3_vl", path)
-    manager = TaskManager(verbosity="ERROR", include_path=TASK_DIR)
-    config = '{"vtc": {"methods": "vidcom2", "retention": 0.5}}'
-    args = (
-        f"model={path},additional_config={config},nframes=8,max_new_tokens=4,dtype=float32,enforce_eager=True,"
-        "max_model_len=4096,distributed_executor_backend=uni,kv_cache_memory_bytes=268435456,"
-        'limit_mm_per_prompt={"video": 1, "image": 0}'
-    )
     served.LAST_KEPT.clear()
-    lm = get_model("vllm_generate").create_from_arg_string(args, {})
-    try:
-        simple_evaluate(model=lm, tasks=[TASK], batch_size=1, limit=4, task_manager=manager)
-    finally:
-        shutdown(lm.client)
+    stock_lmms_vllm(
+        "vllm_generate",
+        path,
+        {"methods": "vidcom2", "retention": 0.5},
+        "nframes=8,max_new_tokens=4",
+        {"video": 1, "image": 0},
+        limit=4,
+    )
     kept = [(tuple(k["grid"]), len(k["cells"])) for k in served.LAST_KEPT]
 
     hf = VtcModel(pretrained=path, methods="vidcom2", retention=0.5, num_frames=8, device="cpu")
     hf.keep_loaded = True
+    manager = TaskManager(verbosity="ERROR", include_path=TASK_DIR)
     results = simple_evaluate(model=hf, tasks=[TASK], batch_size=1, limit=4, task_manager=manager)
     hf_kept = [(tuple(r["grids"][0]), r["llm_visual_tokens"]) for r in vtc_records(results)]
     # the 4 documents ask 2 questions on each of 2 clips: vLLM encodes (and compresses) each clip once
@@ -511,32 +527,16 @@ def test_lmms_evals_own_vllm_model_gets_the_frames_it_sends_as_images_compressed
     """lmms-eval's `vllm` model (its chat version) sends a video's frames as images (OpenAI chat parts); with vtc's
     additional_config each frame is an image the server compresses: on LLaVA-OneVision every view of every frame
     keeps the image pipeline's count, and the answers come back."""
-    from vtc.testing.serving import CPU_ENV, shutdown
-
-    for name, value in CPU_ENV.items():
-        os.environ.setdefault(name, value)
-    from lmms_eval.evaluator import simple_evaluate
-    from lmms_eval.models import get_model
-    from lmms_eval.tasks import TaskManager
-
     from vtc.vllm import models as served
     from vtc.vllm.config import ServeConfig
 
-    manager = TaskManager(verbosity="ERROR", include_path=TASK_DIR)
-    config = '{"vtc": {"methods": "divprune", "retention": 0.25}}'
-    args = (
-        f"model={saved['llava_onevision']},additional_config={config},nframes=2,max_new_tokens=2,dtype=float32,"
-        "enforce_eager=True,max_model_len=8192,distributed_executor_backend=uni,kv_cache_memory_bytes=268435456,"
-        'limit_mm_per_prompt={"image": 2, "video": 0}'
-    )
+    config = {"methods": "divprune", "retention": 0.25}
     served.LAST_KEPT_IMAGES.clear()
-    lm = get_model("vllm").create_from_arg_string(args, {})
-    assert not lm.is_simple  # the chat model: OpenAI messages, a video as its frames
-    try:
-        results = simple_evaluate(model=lm, tasks=[TASK], batch_size=1, limit=2, task_manager=manager)
-    finally:
-        shutdown(lm.client)
-    pipeline = ServeConfig.from_dict(json.loads(config)["vtc"]).pipeline("llava_onevision").for_images()
+    # the chat model (is_simple False): OpenAI messages, a video as its frames
+    results = stock_lmms_vllm(
+        "vllm", saved["llava_onevision"], config, "nframes=2,max_new_tokens=2", {"image": 2, "video": 0}, limit=2
+    )
+    pipeline = ServeConfig.from_dict(config).pipeline("llava_onevision").for_images()
     views = list(served.LAST_KEPT_IMAGES)
     assert len(views) >= 4 and {v["view"] for v in views} == {"base", "crops"}  # 2 frames, 2 views each, per clip
     assert all(len(v["cells"]) == pipeline.retained_count(v["grid"]) < math.prod(v["grid"]) for v in views)

@@ -88,22 +88,12 @@ def server(request, tmp_path_factory):
     stop_server(proc)
 
 
-def kept_logs(lines: list[str], spec: str = "vidcom2") -> list[tuple[tuple[int, int, int], int, int]]:
+def kept_logs(
+    lines: list[str], spec: str = "vidcom2", kind: str = "video"
+) -> list[tuple[tuple[int, int, int], int, int]]:
+    """(grid, kept, of) of every video (or image) the server's log says it compressed."""
     pattern = re.compile(
-        re.escape(f"vtc {spec}: video") + r" \d+, grid \((\d+), (\d+), (\d+)\): kept (\d+) of (\d+) tokens"
-    )
-    out = []
-    for line in list(lines):
-        m = pattern.search(line)
-        if m:
-            t, h, w, kept, total = (int(v) for v in m.groups())
-            out.append(((t, h, w), kept, total))
-    return out
-
-
-def image_logs(lines: list[str], spec: str = "vidcom2") -> list[tuple[tuple[int, int, int], int, int]]:
-    pattern = re.compile(
-        re.escape(f"vtc {spec}: image") + r" \d+, grid \((\d+), (\d+), (\d+)\): kept (\d+) of (\d+) tokens"
+        re.escape(f"vtc {spec}: {kind}") + r" \d+, grid \((\d+), (\d+), (\d+)\): kept (\d+) of (\d+) tokens"
     )
     out = []
     for line in list(lines):
@@ -154,10 +144,10 @@ def test_vtc_serve_compresses_an_image_only_request(server):
     from transformers import AutoTokenizer
 
     question = "What is in the picture?"
-    before = len(image_logs(lines))
+    before = len(kept_logs(lines, kind="image"))
     _, prompt_tokens, _ = ask(client, image_message([synthetic_video(1, 112, 140, seed=32)[0]], question))
     time.sleep(0.5)
-    ((grid, kept, total),) = image_logs(lines)[before:]
+    ((grid, kept, total),) = kept_logs(lines, kind="image")[before:]
     pipeline = ServeConfig.from_dict({"methods": "vidcom2", "retention": 0.25}).pipeline(family).for_images()
     assert total == grid[0] * grid[1] * grid[2] and kept == pipeline.retained_count(grid) < total
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -14,8 +14,8 @@ from PIL import Image
 
 import vtc
 from tests.positions_check import assert_positions_kept, video_slots
+from tests.probes import record_kept_cells
 from vtc.api import prepare_inputs
-from vtc.core.engine import grid_cells
 from vtc.core.registry import registry
 from vtc.media.video import synthetic_video
 from vtc.testing import tiny
@@ -413,15 +413,7 @@ def test_hf_and_vllm_keep_the_same_tokens(family, saved, monkeypatch):
     share swapped at near-ties: the two backends' vision towers differ in the last bits)."""
     video = clip(0)
     model, processor = model_and_processor(family)
-    seen: list[torch.Tensor] = []
-    original = vtc.hf.patching.connect_video
-
-    def recording(*args, **kwargs):
-        tokens, out = original(*args, **kwargs)
-        seen.append(grid_cells(out).sort().values.cpu())
-        return tokens, out
-
-    monkeypatch.setattr(vtc.hf.patching, "connect_video", recording)
+    seen = record_kept_cells(monkeypatch)
     inputs = prepare_inputs(processor, video, QUESTION, num_frames=FRAMES, fps=8)
     hf_cells = {}
     for method in DETERMINISTIC:

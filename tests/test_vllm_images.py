@@ -11,8 +11,7 @@ import torch
 from PIL import Image
 
 import vtc
-import vtc.hf.patching
-from vtc.core.engine import grid_cells
+from tests.probes import record_kept_cells
 from vtc.media.inputs import build_messages
 from vtc.media.video import synthetic_video
 from vtc.testing import tiny
@@ -43,14 +42,15 @@ def answer(llm, request):
     return list(out.prompt_token_ids), {t: v.logprob for t, v in first.logprobs[0].items()}, list(first.token_ids)
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    path = tiny.save(FAMILY, str(tmp_path_factory.mktemp("vllm-images") / FAMILY))
+def stock_then_vtc(tmp_path_factory, family: str, two_images: list):
+    """Stock vLLM answers an image, `two_images` and a video + image; then vtc's engine (random at 1.0) takes over
+    (one engine at a time) -> yields (vtc's engine, the requests, stock's answers)."""
+    path = tiny.save(family, str(tmp_path_factory.mktemp("vllm-images") / family))
     stock = engine(path, **OPTIONS)
     tokenizer = stock.get_tokenizer()
     requests = {
         "one image": image_request(tokenizer, [picture()]),
-        "two images": image_request(tokenizer, [picture(), picture(4)]),
+        "two images": image_request(tokenizer, two_images),
         "video, image": video_request(tokenizer, synthetic_video(8, 224, 224, seed=0), "What?", images=[picture()]),
     }
     answers = {name: answer(stock, r) for name, r in requests.items()}
@@ -60,6 +60,11 @@ def served(tmp_path_factory):
         yield llm, requests, answers
     finally:
         shutdown(llm)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    yield from stock_then_vtc(tmp_path_factory, FAMILY, [picture(), picture(4)])
 
 
 def test_images_at_retention_1_are_stock_vllm(served):
@@ -138,15 +143,7 @@ def half_blank_picture() -> Image.Image:
 def hf_image_cells(monkeypatch, family: str, spec: str, retention: float, params: dict) -> list[torch.Tensor]:
     """The cells each image keeps under `vtc.patch` on the tiny HF model (the same weights as the server's)."""
     model, processor = model_and_processor(family)
-    seen: list[torch.Tensor] = []
-    original = vtc.hf.patching.connect_video
-
-    def recording(*args, **kwargs):
-        tokens, out = original(*args, **kwargs)
-        seen.append(grid_cells(out).sort().values.cpu())
-        return tokens, out
-
-    monkeypatch.setattr(vtc.hf.patching, "connect_video", recording)
+    seen = record_kept_cells(monkeypatch)
     inputs = prompt_inputs(processor, [], [half_blank_picture()])
     with vtc.patch(model, spec, retention=retention, processor=processor, **params), torch.no_grad():
         model(**inputs)
@@ -191,22 +188,9 @@ def test_encode_methods_on_images_serve_the_hf_backends_units(served, monkeypatc
 
 @pytest.fixture(scope="module")
 def llava(tmp_path_factory):
-    path = tiny.save("llava_onevision", str(tmp_path_factory.mktemp("vllm-images") / "llava_onevision"))
-    stock = engine(path, **OPTIONS)
-    tokenizer = stock.get_tokenizer()
-    requests = {
-        "one image": image_request(tokenizer, [picture()]),  # 2 views: the crops unpadded to 21 x 27
-        # a wide crop grid; an image of one crop
-        "two images": image_request(tokenizer, [picture(4, 160, 480), picture(5, 384, 384)]),
-        "video, image": video_request(tokenizer, synthetic_video(8, 224, 224, seed=0), "What?", images=[picture()]),
-    }
-    answers = {name: answer(stock, r) for name, r in requests.items()}
-    shutdown(stock)
-    llm = engine(path, vtc={"methods": "random", "retention": 1.0}, **OPTIONS)
-    try:
-        yield llm, requests, answers
-    finally:
-        shutdown(llm)
+    """The one image has 2 views (its crops unpadded to 21 x 27); of the two images, one has a wide crop grid, the
+    other one crop."""
+    yield from stock_then_vtc(tmp_path_factory, "llava_onevision", [picture(4, 160, 480), picture(5, 384, 384)])
 
 
 def test_llava_images_at_retention_1_are_stock_vllm(llava):
@@ -250,15 +234,7 @@ def test_hf_and_vllm_split_a_llava_image_alike_and_keep_the_same_tokens(llava, m
     up to a 2 % share swapped at near-ties (the two backends' towers differ in the last bits)."""
     llm, requests, _ = llava
     model, processor = model_and_processor("llava_onevision")
-    seen: list[tuple] = []
-    original = vtc.hf.patching.connect_video
-
-    def recording(*args, **kwargs):
-        tokens, out = original(*args, **kwargs)
-        seen.append((tokens.grid, grid_cells(out).sort().values.cpu()))
-        return tokens, out
-
-    monkeypatch.setattr(vtc.hf.patching, "connect_video", recording)
+    seen = record_kept_cells(monkeypatch)
     inputs = prompt_inputs(processor, [], [picture()])
     for spec in ("divprune", "visionzip"):
         seen.clear()
@@ -269,7 +245,7 @@ def test_hf_and_vllm_split_a_llava_image_alike_and_keep_the_same_tokens(llava, m
         vllm_models.LAST_KEPT_IMAGES.clear()
         answer(llm, requests["one image"])
         served = [(k["grid"], k["cells"]) for k in vllm_models.LAST_KEPT_IMAGES]
-        assert [g for g, _ in served] == [g for g, _ in seen] == [(1, 27, 27), (1, 21, 27)], spec
-        for (_, cells), (_, hf_cells) in zip(served, seen):
+        assert [g for g, _ in served] == [(1, 27, 27), (1, 21, 27)] and len(seen) == 2, spec
+        for (_, cells), hf_cells in zip(served, seen):
             swapped = set(cells.tolist()) ^ set(hf_cells.tolist())
             assert len(cells) == len(hf_cells) and len(swapped) <= 2 * max(1, len(hf_cells) // 50), spec
