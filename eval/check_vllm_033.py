@@ -263,14 +263,23 @@ class Use:
     override: bool = True
 
 
-# reviewed from vtc/vllm/models.py: _ServingModel, _MRopeServing, _QwenServing, VtcQwen3VL, _LlavaServing
+# reviewed from vtc/vllm/models.py: _ServingModel, _MRopeServing, _QwenServing, VtcQwen3VL, _LlavaServing,
+# VtcLlavaOnevision
 MODEL_USES = (
     Use("__init__", ALL, kwargs=("vllm_config", "prefix")),
     Use("embed_multimodal", ALL, kwargs=("pixel_values_videos", "video_grid_thw")),  # **kwargs passed on
     Use("forward", QWEN, args=4, kwargs=("some_runner_kwarg",)),  # (ids, positions, tensors, embeds, **kwargs)
     Use("get_mrope_input_positions", QWEN, args=2),
     Use("recompute_mrope_positions", QWEN, args=4),
-    Use("_process_image_input", QWEN, args=1),
+    Use("_process_image_input", QWEN + ("llava_onevision",), args=1),
+    Use("_process_image_pixels", ("llava_onevision",), args=1, override=False),  # VtcLlavaOnevision images
+    Use(
+        "_merge_image_patch_embeddings",
+        ("llava_onevision",),
+        args=2,
+        kwargs=("image_newline", "strategy"),
+        override=False,
+    ),
     Use("_postprocess_image_embeds_evs", QWEN, args=2),
     Use("get_encoder_cudagraph_config", QWEN),
     Use("_process_video_input", QWEN, args=1),
