@@ -17,6 +17,7 @@ from tests.probes import llm_inputs
 from vtc.core.engine import grid_cells, video_tokens
 from vtc.core.pipeline import Pipeline
 from vtc.core.tokens import Context
+from vtc.media.inputs import build_messages
 from vtc.media.video import synthetic_video
 from vtc.testing.fixtures import model_and_processor, prompt_inputs
 
@@ -69,16 +70,30 @@ def test_images_false_lets_images_through_whole_and_lists_them(family):
     assert handle.retained_count(grid, "image") == grid[0] * grid[1] * grid[2]
 
 
-def test_generate_on_a_compressed_image_continues_the_prompt():
-    model, processor = model_and_processor("qwen2_5_vl")
-    inputs = image_prompt("qwen2_5_vl")
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "llava_onevision"])
+def test_generate_on_a_padded_batch_of_image_prompts(family):
+    """`generate` on two left-padded prompts, one image and two images (a wide one): generate encodes the images
+    before the prefill and passes the forward only their features, so vtc takes LLaVA's image sizes from that call.
+    At 1.0 the tokens and scores are the unpatched model's; at 0.25 every item (every LLaVA view) keeps its count."""
+    model, processor = model_and_processor(family)
+    processor.tokenizer.padding_side = "left"
+    chats = [build_messages("What is it?", videos=0, images=1), build_messages("Compare them.", videos=0, images=2)]
+    texts = [processor.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in chats]
+    pictures = [picture(seed=1), picture(160, 480, seed=2), picture(seed=3)]
+    inputs = processor(text=texts, images=pictures, return_tensors="pt", padding=True)
+    options = dict(max_new_tokens=3, do_sample=False, output_scores=True, return_dict_in_generate=True)
     with torch.no_grad():
-        stock = model.generate(**inputs, max_new_tokens=4, do_sample=False)
-        with vtc.patch(model, "divprune", retention=1.0):
-            assert torch.equal(model.generate(**inputs, max_new_tokens=4, do_sample=False), stock)
-        with vtc.patch(model, "divprune", retention=0.25) as handle:
-            out = model.generate(**inputs, max_new_tokens=4, do_sample=False)
-    assert out.shape == stock.shape and handle.stats().llm_tokens_in == handle.retained_count((1, 4, 5), "image")
+        stock = model.generate(**inputs, **options)
+        with vtc.patch(model, "visionzip", retention=1.0):
+            same = model.generate(**inputs, **options)
+        with vtc.patch(model, "visionzip", retention=0.25) as handle:
+            out = model.generate(**inputs, **options)
+    assert torch.equal(same.sequences, stock.sequences)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(same.scores, stock.scores))
+    items = handle.stats().items
+    assert [(i.batch, i.index) for i in items if i.view != "crops"] == [(0, 0), (1, 1), (1, 2)]
+    assert all(i.tokens_out == handle.retained_count(i.grid, "image") < i.tokens_in for i in items)
+    assert out.sequences.shape == stock.sequences.shape
 
 
 def test_llava_crop_grid_keeps_each_rows_newline():

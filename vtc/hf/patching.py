@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import inspect
 import time
 import weakref
 from typing import Any
@@ -122,6 +124,7 @@ class ModelPatch:
         self.prepared: dict[tuple[int, ...], dict[str, Any]] = {}
         self.enabled = True
         self._captured: CapturedInputs | None = None
+        self._image_call: dict[str, Any] | None = None  # the last get_image_features call's sizes (LLaVA, generate)
         self._handles: list[Any] = []
         self._llm_start = 0.0
         self._prefill_ctx: Context | None = None
@@ -183,6 +186,8 @@ class ModelPatch:
             self.prepool = adapter.prepool_capture()
             if self.prepool is not None:
                 self.prepool.install()
+        if self.images and adapter.image_call_kwargs:
+            self._record_image_calls()
         self._handles.append(adapter.outer.register_forward_pre_hook(self._outer_pre_hook, with_kwargs=True))
         self._handles.append(adapter.text_model.register_forward_pre_hook(self._llm_pre_hook, with_kwargs=True))
         self._handles.append(adapter.text_model.register_forward_hook(self._llm_post_hook, with_kwargs=True))
@@ -215,6 +220,9 @@ class ModelPatch:
         if self.encode is not None:
             self.encode.remove()
             self.encode = None
+        if "get_image_features" in self.adapter.outer.__dict__ and self._image_call is not None:
+            del self.adapter.outer.__dict__["get_image_features"]
+        self._image_call = None
         self.mapping = None
         self._captured = None
 
@@ -240,6 +248,12 @@ class ModelPatch:
             return None
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         self._captured = self.adapter.capture(input_ids, kwargs.get("attention_mask"), kwargs)
+        encoded_images = (kwargs.get("mm_encoder_outputs") or {}).get("image")
+        if self._image_call and encoded_images is not None and kwargs.get("pixel_values") is None:
+            # generate encoded the images before this forward: their sizes come from that call
+            for name, value in self._image_call.items():
+                self._captured.kwargs.setdefault(name, value)
+            self._image_call = {}
         mapping = self.mapping
         if mapping is not None and _cache_length(kwargs) > 0:
             self._check_continuation(mapping, kwargs.get("position_ids"))
@@ -252,6 +266,23 @@ class ModelPatch:
                 )
                 return args, kwargs
         return None
+
+    def _record_image_calls(self) -> None:
+        """Record what `image_layouts` needs (`adapter.image_call_kwargs`) of every call of the model's
+        `get_image_features` (an instance attribute, removed by `remove`): generate calls it before the forward."""
+        outer = self.adapter.outer
+        original = outer.get_image_features
+        signature = inspect.signature(original)
+        names = self.adapter.image_call_kwargs
+
+        @functools.wraps(original)  # generate picks the call's arguments by its signature
+        def get_image_features(*args, **kwargs):
+            bound = signature.bind_partial(*args, **kwargs).arguments
+            self._image_call = {name: bound[name] for name in names if bound.get(name) is not None}
+            return original(*args, **kwargs)
+
+        outer.get_image_features = get_image_features
+        self._image_call = {}
 
     @staticmethod
     def _check_continuation(mapping: PromptMapping, position_ids) -> None:

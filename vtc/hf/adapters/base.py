@@ -258,6 +258,7 @@ class Adapter:
     family: str = ""
     class_names: tuple[str, ...] = ()
     mrope: bool = False  # 3-D M-RoPE positions (Qwen) vs 1-D RoPE (LLaVA)
+    image_call_kwargs: tuple[str, ...] = ()  # arguments of `outer.get_image_features` the image spans need
     deepstack: bool = False  # Qwen3-VL feeds extra visual features into the first LLM layers
 
     def __init__(self, model: torch.nn.Module) -> None:
@@ -394,6 +395,9 @@ class LlavaAdapter(Adapter):
 
     # --- images: anyres (a base view, then the crops packed into one unpadded grid with a newline per row) ---------
     max_views: int | None = None  # LLaVA-OneVision's anyres_max_N: the packed grid is shrunk to about N views
+    # what `image_layouts` reads of the image encoding call: generate (transformers >= 5.18) encodes the images
+    # before the prefill and passes the forward only `mm_encoder_outputs`, so vtc records these from that call
+    image_call_kwargs: tuple[str, ...] = ("image_sizes", "batch_num_images")
 
     def _hf_module(self):
         """The model's transformers module (its anyres functions); a config-only adapter (vLLM's) has no module: the
