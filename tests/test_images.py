@@ -222,3 +222,36 @@ def test_encode_methods_compress_every_image_and_video_of_a_prompt_to_its_count(
     for item in stats.items:
         assert item.tokens_out == handle.retained_count(item.grid, item.kind) < item.tokens_in, item
     assert embeds.shape[0] == inputs["input_ids"].shape[1] - stats.visual_tokens_in + stats.llm_tokens_in
+
+
+@pytest.mark.parametrize("family", ["llava_onevision", "llava_next_video"])
+def test_tome_merges_inside_the_tower_on_every_view_of_a_llava_image(family):
+    """ToMe on a LLaVA image: every view is one image to ToMe (each block up to the feature layer merges r of its
+    tokens), and the views are unmerged before the projector, so the packed image reaches the LLM whole (tower
+    compute only). At r = 0 the logits are the unpatched model's; beside divprune each view keeps divprune's count."""
+    from vtc.hf.adapters.base import tower_feature_layer
+
+    model, _ = model_and_processor(family)
+    inputs = image_prompt(family)
+    with torch.no_grad():
+        stock = model(**inputs).logits
+        with vtc.patch(model, "tome", **{"tome.r": 0}):
+            assert torch.equal(model(**inputs).logits, stock)
+        with vtc.patch(model, "tome", **{"tome.r": 8}) as handle:
+            merged = model(**inputs).logits
+    stats = handle.stats()
+    views = stats.items[0].tokens_in // (stats.items[0].grid[1] * stats.items[0].grid[2])  # base view: 1
+    layers = len(vtc.api.resolve_adapter(model).vision_encoder_layers())
+    blocks = tower_feature_layer(model.config.vision_feature_layer, layers) + 1
+    report = stats.reports["tome"]
+    side = model.config.vision_config.image_size // model.config.vision_config.patch_size
+    crops = sum(1 for i in stats.items if i.view == "crops")
+    assert views == 1 and crops == 1
+    n_views = report["tower_tokens_in"][0] // (side * side + (family == "llava_next_video"))  # CLIP's class token
+    assert n_views >= 2 and report["tower_tokens_out"][0] == report["tower_tokens_in"][0] - 8 * blocks * n_views
+    assert all(i.tokens_out == i.tokens_in for i in stats.items) and merged.shape == stock.shape
+    assert not torch.equal(merged, stock)
+
+    embeds, _, handle = llm_inputs(model, inputs, "tome+divprune", retention=0.25, **{"tome.r": 8})
+    items = handle.stats().items
+    assert all(i.tokens_out == handle.retained_count(i.grid, "image") < i.tokens_in for i in items)

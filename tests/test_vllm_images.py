@@ -230,22 +230,30 @@ def test_each_llava_view_keeps_its_own_count_and_the_rows_keep_their_newlines(ll
 
 def test_hf_and_vllm_split_a_llava_image_alike_and_keep_the_same_tokens(llava, monkeypatch):
     """The same image through `vtc.patch` and the server: the same views (grids), and each view keeps the same cells
-    under divprune (features) and visionzip (the tower's attention, packed onto the crop grid as the features are),
-    up to a 2 % share swapped at near-ties (the two backends' towers differ in the last bits)."""
-    llm, requests, _ = llava
+    under divprune (features), visionzip (the tower's attention, packed onto the crop grid as the features are) and
+    tome+divprune (ToMe merging inside the tower on every view, unmerged before the projector: the prompt keeps
+    divprune's count), up to a 2 % share swapped at near-ties (the two backends' towers differ in the last bits).
+    ToMe at r = 0 is stock vLLM."""
+    llm, requests, stock = llava
+    reconfigure(llm, {"methods": "tome", "params": {"tome.r": 0}})
+    clear_caches(llm)
+    assert answer(llm, requests["one image"]) == stock["one image"]
     model, processor = model_and_processor("llava_onevision")
     seen = record_kept_cells(monkeypatch)
     inputs = prompt_inputs(processor, [], [picture()])
-    for spec in ("divprune", "visionzip"):
+    for spec, params in (("divprune", {}), ("visionzip", {}), ("tome+divprune", {"tome.r": 8})):
         seen.clear()
-        with vtc.patch(model, spec, retention=0.25), torch.no_grad():
+        with vtc.patch(model, spec, retention=0.25, **params), torch.no_grad():
             model(**inputs)
-        reconfigure(llm, {"methods": spec, "retention": 0.25})
+        reconfigure(llm, {"methods": spec, "retention": 0.25, "params": params})
         clear_caches(llm)
         vllm_models.LAST_KEPT_IMAGES.clear()
-        answer(llm, requests["one image"])
+        prompt, _, _ = answer(llm, requests["one image"])
         served = [(k["grid"], k["cells"]) for k in vllm_models.LAST_KEPT_IMAGES]
         assert [g for g, _ in served] == [(1, 27, 27), (1, 21, 27)] and len(seen) == 2, spec
+        assert len(prompt) == len(stock["one image"][0]) - sum(27 * 27 - len(c) for (_, c) in served[:1]) - sum(
+            21 * 27 - len(c) for (_, c) in served[1:]
+        ), spec
         for (_, cells), hf_cells in zip(served, seen):
             swapped = set(cells.tolist()) ^ set(hf_cells.tolist())
             assert len(cells) == len(hf_cells) and len(swapped) <= 2 * max(1, len(hf_cells) // 50), spec

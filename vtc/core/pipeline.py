@@ -155,24 +155,15 @@ def check_streaming(cards: list[MethodCard], streaming: bool, methods: Registry 
         )
 
 
-def _takes_images(entry: Entry, family: str) -> bool:
-    """Whether images reach this method on `family`: it acts on images (`MethodCard.acts_on_images`) and, if it acts
-    in the vision encoder, reduces the LLM's tokens there (on LLaVA, ToMe would only save tower compute: vtc encodes
-    images whole there)."""
-    if not entry.card.acts_on_images:
-        return False
-    return "encode" not in entry.card.stages or entry.method.reduces_llm_tokens(family)
-
-
 def _video_only_reason(entry: Entry, family: str) -> str:
-    """Why a method leaves images alone (`_takes_images`), in a few words."""
+    """Why a method does not reduce an image's tokens, in a few words."""
     card = entry.card
-    if _takes_images(entry, family):
+    if card.acts_on_images:
+        if "encode" in card.stages:  # ToMe on LLaVA: unmerged before the pooling
+            return f"on {family} it saves vision-tower compute only (the LLM sees every token)"
         return "takes images, but reduces no tokens"
     if "sample" in card.stages:
         return "samples the frames of videos"
-    if card.acts_on_images:  # an encode method that reduces no LLM token on this family
-        return f"on {family} it only saves vision-tower compute, which vtc does for videos only"
     return "needs time (frames of a video)"
 
 
@@ -316,8 +307,10 @@ class Pipeline:
         tokens. Refuses a spec none of whose methods can reduce an image, naming why (a sampler, a temporal method,
         a tower-only encode method), and the way out."""
         image_pipeline = copy.copy(self)
-        image_pipeline.entries = [e for e in self.entries if _takes_images(e, self.family)]
-        if not any(e.method.reduces_llm_tokens(self.family) for e in image_pipeline.entries):
+        image_pipeline.entries = [e for e in self.entries if e.card.acts_on_images]
+        reduces = any(e.method.reduces_llm_tokens(self.family) for e in image_pipeline.entries)
+        # a tower-only method (ToMe on LLaVA) acts on an image, but cannot give it a retention
+        if not reduces and (self.retention is not None or not image_pipeline.entries):
             why = "; ".join(f"{e.card.name}: {_video_only_reason(e, self.family)}" for e in self.entries)
             raise ValueError(
                 f"this prompt has an image, but no method of {self.spec!r} can reduce an image's tokens ({why}). "

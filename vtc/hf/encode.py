@@ -20,6 +20,8 @@ of a replaced forward.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 from typing import Any, Callable
 
 import torch
@@ -135,6 +137,8 @@ class EncodeStage:
         self.enabled = True
         self.encoded: list[EncodedVideo] | None = None  # the last encoding call's videos, until the prefill takes them
         self.encoded_images: list[EncodedVideo] | None = None  # the same for images (Qwen families)
+        # LLaVA images: what the tower methods did (tokens unmerged before the projector: every cell reaches the LLM)
+        self.image_records: list[list[tuple]] | None = None
         self._original = None
         self._original_images = None
         self._in_video_call = False  # Qwen3-VL's get_video_features calls get_image_features: that is a video
@@ -152,6 +156,15 @@ class EncodeStage:
                 outer.get_image_features = self._get_image_features
         else:  # LLaVA: the model's own get_video_features, whose tower call vtc answers (`_tower_forward`)
             outer.get_video_features = self._get_llava_video_features
+            if self.image_pipeline is not None:  # images: tower methods between the blocks, as for video frames
+                original = outer.get_image_features
+
+                @functools.wraps(original)  # generate picks the call's arguments by its signature
+                def get_image_features(*args, **kwargs):
+                    return self._get_llava_image_features(original, *args, **kwargs)
+
+                self._original_images = original
+                outer.get_image_features = get_image_features
             tower = self.adapter.vision_tower
             self._original_tower = tower.forward
             tower.forward = self._tower_forward
@@ -164,7 +177,7 @@ class EncodeStage:
         tower = self.adapter.vision_tower
         if "forward" in tower.__dict__:
             del tower.__dict__["forward"]
-        self.encoded = self.encoded_images = None
+        self.encoded = self.encoded_images = self.image_records = None
         self._llava_call = None
 
     def take(self, kind: str = "video") -> list[EncodedVideo] | None:
@@ -288,11 +301,39 @@ class EncodeStage:
         finally:
             self._llava_call = None
 
+    def _get_llava_image_features(self, original, *args: Any, **kwargs: Any):
+        """The model's own get_image_features, its tower call answered block by block with the image pipeline's
+        tower methods (ToMe), every view of an image one frame of it. Tower compute only: the views are unmerged
+        before the projector, so the packing and the LLM see every token."""
+        pipeline = self.image_pipeline() if self.enabled else None
+        if pipeline is None or not pipeline.tower_entries():
+            return original(*args, **kwargs)
+        adapter = self.adapter
+        call = inspect.signature(original).bind(*args, **kwargs).arguments
+        layer = call.get("vision_feature_layer")
+        layer = adapter.model.config.vision_feature_layer if layer is None else layer
+        if not isinstance(layer, int):
+            raise ValueError(
+                f"vtc's tower methods read one vision_feature_layer; this call concatenates layers {layer}"
+            )
+        sizes, counts = call["image_sizes"].tolist(), call.get("batch_num_images")
+        split = [True] * len(sizes) if counts is None else [int(n) == 1 for n in counts for _ in range(int(n))]
+        views = [adapter.anyres_layout(size, s).views for size, s in zip(sizes, split)]
+        ctx = Context(retention=pipeline.retention, family=adapter.family, geometry=adapter.geometry)
+        self.pipeline.begin_prompt()  # the prompt's first encoding call (images come before videos)
+        pipeline.share_prompt_state(self.pipeline)
+        self._llava_call = {"frames": views, "layer": layer, "ctx": ctx, "pipeline": pipeline, "kind": "image"}
+        try:
+            return original(*args, **kwargs)
+        finally:
+            self._llava_call = None
+
     def _tower_forward(self, pixel_values: Tensor, *args: Any, **kwargs: Any):
-        """The vision tower's forward inside a video call: the encoder block by block up to the feature layer, its
-        output unmerged onto every frame's grid, returned where the model reads it (`hidden_states[layer]`)."""
+        """The vision tower's forward inside a video (or image) call: the encoder block by block up to the feature
+        layer, its output unmerged onto every frame's (view's) grid, returned where the model reads it
+        (`hidden_states[layer]`)."""
         call = self._llava_call
-        if call is None:  # images, or any call outside a video feature call: the tower as it is
+        if call is None:  # any call outside a feature call vtc answers: the tower as it is
             return self._original_tower(pixel_values, *args, **kwargs)
         from vtc.core.tower import pooled_survivors
         from vtc.hf.adapters.base import tower_feature_layer
@@ -302,11 +343,16 @@ class EncodeStage:
         _install_output_hooks(adapter.vision_tower)
         tower = LlavaTower(adapter)
         frames, num_layers = call["frames"], len(tower.layers)
+        pipeline = call.get("pipeline", self.pipeline)
         last = tower_feature_layer(call["layer"], num_layers)
         run = None
-        if self.pipeline.changes_tower((frames[0], tower.side, tower.side)):
+        if pipeline.changes_tower((frames[0], tower.side, tower.side)):
             contexts = self._contexts(call["ctx"], len(frames))
-            features, _, run = tower.run(pixel_values, frames, last, self.pipeline, contexts)
+            features, _, run = tower.run(pixel_values, frames, last, pipeline, contexts)
+        if call.get("kind") == "image":  # every patch of every view reaches the projector
+            counts = [(f * tower.side * tower.side,) * 2 for f in frames]
+            self.image_records = None if run is None else run.records(counts)
+            return self._tower_output(run, features if run else None, last, num_layers, pixel_values, args, kwargs)
         h, w = adapter.frame_grid()
         encoded, counts = [], []
         for k, f in enumerate(frames):
@@ -320,6 +366,11 @@ class EncodeStage:
             for e, rows in zip(encoded, run.records(counts)):
                 e.records.extend(rows)
         self.encoded = encoded
+        return self._tower_output(run, features if run else None, last, num_layers, pixel_values, args, kwargs)
+
+    def _tower_output(self, run, features, last: int, num_layers: int, pixel_values: Tensor, args, kwargs):
+        """The tower's own forward when no method changed anything, else the unmerged features where the model
+        reads them (`hidden_states[last + 1]`)."""
         if run is None:
             return self._original_tower(pixel_values, *args, **kwargs)
         from transformers.modeling_outputs import BaseModelOutputWithPooling

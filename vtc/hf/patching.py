@@ -532,8 +532,13 @@ class ModelPatch:
             return None
         encoded = self.encode.take("image")
         pipeline = self._image_pipeline()
-        if not pipeline.has_stage("encode"):
-            return None
+        records, self.encode.image_records = self.encode.image_records, None
+        for rows in records or []:  # LLaVA: the tower methods' work on each image (tower compute only)
+            for name, n_in, n_out, seconds, reports in rows:
+                self.recorder.record("encode", name, n_in, n_out, seconds)
+                self.recorder.report(name, reports)
+        if not pipeline.has_stage("encode") or "encode_units" not in self.adapter.record.features:
+            return None  # no encode method for images, or LLaVA's: every cell reaches the connect stage
         return self._check_encoded(encoded, spans, pipeline, "image", "pixel_values")
 
     def _check_encoded(self, encoded, spans: list[VideoSpan], pipeline: Pipeline, kind: str, pixels: str):

@@ -390,20 +390,25 @@ class Serving:
                 )
         return tuple(out)
 
-    def frame_encode_run(self, run, tower: torch.nn.Module, frames: list[int]):
-        """The LLaVA tower call of these videos (`frames` each, in the order vLLM's model stacks them): `run` itself
-        (vLLM's own tower, bit for bit stock) unless a tower method changes some video, else `run` with the tower's
-        forward answered block by block (`vtc.vllm.tower.VllmFrameTower`) for the videos whose methods change it;
-        the model's own projector and pooling then run on what it returns, as on the HF backend."""
-        pipelines = [config_pipeline(self.config_of(k), self.family) for k in range(len(frames))]
-        self._frame_tokens, self._tower_state["video"] = [None] * len(frames), [None] * len(frames)
+    def frame_encode_run(self, run, tower: torch.nn.Module, frames: list[int], kind: str = "video"):
+        """The LLaVA tower call of these videos (`frames` each, in the order vLLM's model stacks them; images: their
+        views): `run` itself (vLLM's own tower, bit for bit stock) unless a tower method changes some item, else
+        `run` with the tower's forward answered block by block (`vtc.vllm.tower.VllmFrameTower`) for the items whose
+        methods change it; the model's own projector (and pooling, or anyres packing) then runs on what it returns,
+        as on the HF backend."""
+        pipelines = self._encode_pipelines(kind, len(frames))
+        if kind == "video":
+            self._frame_tokens = [None] * len(frames)
+        self._tower_state[kind] = [None] * len(frames)
+        if None in pipelines:  # images pass whole
+            return run
         side = tower.vision_model.config.image_size // tower.vision_model.config.patch_size
         changes = [bool(p.tower_entries()) and p.changes_tower((f, side, side)) for p, f in zip(pipelines, frames)]
         if not any(changes):
             return run
 
         def call():
-            tower.forward = functools.partial(self._frame_tower_forward, tower, frames, pipelines, changes)
+            tower.forward = functools.partial(self._frame_tower_forward, tower, frames, pipelines, changes, kind)
             try:  # through the module call, so hooks on the tower (timers, profilers) see it run
                 return run()
             finally:
@@ -417,6 +422,7 @@ class Serving:
         frames: list[int],
         pipelines: list[Pipeline],
         changes: list[bool],
+        kind: str,
         pixel_values: Tensor,
         select_layers: list[int] | None = None,
         feature_select_strategy: Any = None,
@@ -451,7 +457,8 @@ class Serving:
                     for k, feature in zip(videos, features):
                         out[k] = feature
                     continue
-                ctxs = [self._context(pipeline, k, self.config_of(k)) for k in videos]
+                configs = [self.image_config_of(k) if kind == "image" else self.config_of(k) for k in videos]
+                ctxs = [self._context(pipeline, k, c, media=kind) for k, c in zip(videos, configs)]
                 pipeline.begin_prompt()
                 features, _, run = frame_tower.run(
                     group, [frames[k] for k in videos], len(frame_tower.layers) - 1, pipeline, ctxs
@@ -459,11 +466,14 @@ class Serving:
                 state = pipeline.prompt_state()  # GRT's gate record: its connect hook reads it
                 for k, feature, tokens in zip(videos, features, run.tokens):
                     out[k] = frame_tower.output(feature, feature_select_strategy)
-                    self._frame_tokens[k], self._tower_state["video"][k] = tokens, state
+                    if kind == "video":  # an image's views are unmerged whole: every cell reaches its connect call
+                        self._frame_tokens[k] = tokens
+                    self._tower_state[kind][k] = state
                     logger.info(
-                        "vtc %s: video %d: the vision tower's methods kept %d of %d tokens (unmerged onto every "
-                        "frame's grid before the pooling)",
+                        "vtc %s: %s %d: the vision tower's methods kept %d of %d tokens (unmerged onto every "
+                        "frame's grid before the projector)",
                         pipeline.spec,
+                        kind,
                         k,
                         len(tokens),
                         frames[k] * (frame_tower.side**2 + int(frame_tower.class_token)),
@@ -1338,6 +1348,7 @@ class VtcLlavaOnevision(_LlavaServing, LlavaOnevisionForConditionalGeneration):
         pixels = image_input["pixel_values"]
         views = _frames_per_video(pixels)
         run = functools.partial(self._process_image_pixels, image_input)
+        run = self.vtc.frame_encode_run(run, self.vision_tower, views, "image")  # tower methods (ToMe), per view
         patches = self.vtc.encode_images(run, [(v, 1, 1) for v in views], None)
         sizes = image_input.get("image_sizes")
         if sizes is None:
