@@ -534,9 +534,7 @@ class ModelPatch:
         pipeline = self._image_pipeline()
         records, self.encode.image_records = self.encode.image_records, None
         for rows in records or []:  # LLaVA: the tower methods' work on each image (tower compute only)
-            for name, n_in, n_out, seconds, reports in rows:
-                self.recorder.record("encode", name, n_in, n_out, seconds)
-                self.recorder.report(name, reports)
+            self._record_encode(rows)
         if not pipeline.has_stage("encode") or "encode_units" not in self.adapter.record.features:
             return None  # no encode method for images, or LLaVA's: every cell reaches the connect stage
         return self._check_encoded(encoded, spans, pipeline, "image", "pixel_values")
@@ -552,10 +550,14 @@ class ModelPatch:
                 f"get_{kind}_features, so pass {pixels} (not precomputed features or inputs_embeds)"
             )
         for e in encoded:
-            for name, n_in, n_out, seconds, reports in e.records:
-                self.recorder.record("encode", name, n_in, n_out, seconds)
-                self.recorder.report(name, reports)
+            self._record_encode(e.records)
         return encoded
+
+    def _record_encode(self, rows: list[tuple]) -> None:
+        """An item's encode-stage records, (method, tokens in, tokens out, seconds, reports) each, into the stats."""
+        for name, n_in, n_out, seconds, reports in rows:
+            self.recorder.record("encode", name, n_in, n_out, seconds)
+            self.recorder.report(name, reports)
 
     def _original_positions(self, position_ids, bsz: int, length: int, device) -> Tensor:
         """Original positions as [P, B, L]: P = 3 (t, h, w) for M-RoPE, 1 for 1-D RoPE.

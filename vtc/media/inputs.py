@@ -177,12 +177,10 @@ def build_messages(question: str, system: str | None = None, videos: int = 1, im
 
 def image_inputs(processor, images: Sequence[Any], question: str, system: str | None = None):
     """Processor inputs of one prompt holding `images` (PIL images, or [H, W, 3] uint8 arrays), then the question."""
+    import numpy as np
     from PIL import Image
 
-    pictures = [
-        Image.fromarray(i) if hasattr(i, "__array_interface__") and not isinstance(i, Image.Image) else i
-        for i in images
-    ]
+    pictures = [Image.fromarray(i) if isinstance(i, np.ndarray) else i for i in images]
     chat = build_messages(question, system, videos=0, images=len(pictures))
     text = processor.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
     return processor(text=[text], images=pictures, return_tensors="pt")

@@ -282,34 +282,12 @@ class Serving:
         if pipeline is None:
             return embeds, torch.arange(embeds.shape[0]), dict(extras or {})
         if vision is None:
-            vision = self._image_vision[index] if index < len(self._image_vision) else {}
+            vision = self.image_vision_of(index)
         ctx = self._context(pipeline, index, self.image_config_of(index), media="image", vision=vision)
         if geometry is not None:
             ctx = ctx.replace(geometry=geometry)
-        states = self._tower_state["image"]
-        pipeline.begin_prompt(states[index] if index < len(states) else None)
-        survivors, weights = self.survivors_of(index, grid, "image")
-        _, out = connect_video(
-            pipeline, embeds, grid, ctx, extras=extras, survivors=survivors, survivor_weights=weights
-        )
-        promised = pipeline.retained_count(
-            grid, encoded=encoded_count(pipeline, self.kept_of(index, grid, "image"), grid)
-        )
-        if promised is not None and promised != len(out):
-            raise RuntimeError(
-                f"vtc: {pipeline.spec!r} promised {promised} tokens for an image with grid {grid} but kept {len(out)}; "
-                f"the prompt was sized for {promised}"
-            )
-        logger.info(
-            "vtc %s: image %d%s, grid %s: kept %d of %d tokens",
-            pipeline.spec,
-            index,
-            f" ({view} view)" if view else "",
-            grid,
-            len(out),
-            len(embeds),
-        )
-        embeds_out, cells, extras_out = _same_on_every_rank(out.embeds, grid_cells(out), out.extras)
+        label = f"image {index}" + (f" ({view} view)" if view else "")
+        embeds_out, cells, extras_out, _, _ = self._connect("image", pipeline, ctx, embeds, grid, index, label, extras)
         LAST_KEPT_IMAGES.append(
             {"family": self.family, "grid": grid, "view": view, "cells": torch.sort(cells).values.cpu()}
         )
@@ -546,30 +524,9 @@ class Serving:
             ctx = ctx.replace(prepool=self._prepool[index], pool=capture.pool, project=capture.projection)
         if any(e.card.reads_lm_head for e in pipeline.entries):
             ctx = ctx.replace(model=self.served_model or ServedModel(self.model))
-        # the video's own state: fresh, or what its tower methods left in this call (GRT's gate record)
-        states = self._tower_state["video"]
-        pipeline.begin_prompt(states[index] if index < len(states) else None)
-        survivors, weights = self.survivors_of(index, grid)
-        _, out = connect_video(
-            pipeline,
-            embeds,
-            grid,
-            ctx,
-            extras=extras,
-            timestamps=timestamps,
-            survivors=survivors,
-            survivor_weights=weights,
+        embeds_out, cells, extras_out, survivors, weights = self._connect(
+            "video", pipeline, ctx, embeds, grid, index, f"video {index}", extras, timestamps
         )
-        promised = pipeline.retained_count(grid, encoded=encoded_count(pipeline, self.kept_of(index, grid), grid))
-        if promised is not None and promised != len(out):
-            raise RuntimeError(
-                f"vtc: {pipeline.spec!r} promised {promised} tokens for a video with grid {grid} but kept "
-                f"{len(out)}; the prompt was sized for {promised}"
-            )
-        logger.info(
-            "vtc %s: video %d, grid %s: kept %d of %d tokens", pipeline.spec, index, grid, len(out), len(embeds)
-        )
-        embeds_out, cells, extras_out = _same_on_every_rank(out.embeds, grid_cells(out), out.extras)
         order = torch.sort(torch.div(cells, grid[1] * grid[2], rounding_mode="floor"), stable=True).indices
         LAST_KEPT.append(
             {
@@ -584,6 +541,46 @@ class Serving:
         del LAST_KEPT[:-64]
         kept_extras = {name: value[order] for name, value in extras_out.items()}
         return embeds_out[order].to(embeds.dtype), cells[order], kept_extras
+
+    def _connect(
+        self,
+        kind: str,
+        pipeline: Pipeline,
+        ctx: Context,
+        embeds: Tensor,
+        grid: tuple[int, int, int],
+        index: int,
+        label: str,
+        extras: dict[str, Tensor] | None,
+        timestamps: Tensor | None = None,
+    ):
+        """Item `index` of this call (a video or an image, `kind`) through `pipeline`'s connect methods, from what its
+        encode stage left (its tower methods' state and survivors), checked against the count its prompt was sized
+        for -> (embeds, grid cells, extras) of the survivors, the same on every rank, then the survivors and their
+        weights the connect stage started from."""
+        # the item's own state: fresh, or what its tower methods left in this call (GRT's gate record)
+        states = self._tower_state[kind]
+        pipeline.begin_prompt(states[index] if index < len(states) else None)
+        survivors, weights = self.survivors_of(index, grid, kind)
+        _, out = connect_video(
+            pipeline,
+            embeds,
+            grid,
+            ctx,
+            extras=extras,
+            timestamps=timestamps,
+            survivors=survivors,
+            survivor_weights=weights,
+        )
+        promised = pipeline.retained_count(grid, encoded=encoded_count(pipeline, self.kept_of(index, grid, kind), grid))
+        if promised is not None and promised != len(out):
+            article = "an" if kind == "image" else "a"
+            raise RuntimeError(
+                f"vtc: {pipeline.spec!r} promised {promised} tokens for {article} {kind} with grid {grid} but kept "
+                f"{len(out)}; the prompt was sized for {promised}"
+            )
+        logger.info("vtc %s: %s, grid %s: kept %d of %d tokens", pipeline.spec, label, grid, len(out), len(embeds))
+        return (*_same_on_every_rank(out.embeds, grid_cells(out), out.extras), survivors, weights)
 
 
 def _kept_units(kept: Any) -> list[Tensor | None]:
